@@ -1,0 +1,374 @@
+"""Layouts: one sequence cut into consecutive segments, and the O(S) tables kernels read.
+
+A `Layout` is one batch element; `Layout.batch([...])` gives a `LayoutBatch` of equal-length
+layouts. Neither knows the rules: modality names are checked when tables are made for a
+particular `Rules` (`layout.tables(rules)`), which is also where names become integer ids.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Union
+
+import torch
+
+from .rules import PAD, Rules
+
+_MODALITY_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+_TOKEN_RE = re.compile(r"^([a-z][a-z0-9_]*):(-?\d+)(?:@(-?\d+))?$")
+
+
+@dataclass(frozen=True)
+class Segment:
+    modality: str
+    length: int
+    doc: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.modality}:{self.length}" + (f"@{self.doc}" if self.doc else "")
+
+
+SegmentLike = Union[Segment, Sequence]
+
+
+@dataclass(frozen=True)
+class LayoutTables:
+    """Integer tables for a batch of B layouts of length S, on one device.
+
+    Segments are numbered across the whole batch (element b's segments follow element b-1's);
+    positions in the segment tables are *global*: token s of element b is at b * S + s.
+    """
+
+    batch_size: int
+    seq_len: int
+    # per segment, [num_segments]
+    seg_start: torch.Tensor  # int64, global position of the first token
+    seg_end: torch.Tensor  # int64, one past the last token
+    seg_modality: torch.Tensor  # int64, rules.modality_id (pad = rules.pad_id)
+    seg_doc: torch.Tensor  # int64, document id as given
+    seg_batch: torch.Tensor  # int64, batch element
+    seg_visible_start: torch.Tensor  # int64, first position its queries may see (document or element)
+    seg_visible_end: torch.Tensor  # int64
+    # per token, [B, S]
+    token_segment: torch.Tensor  # int32, global segment index
+    token_modality: torch.Tensor  # int32
+    token_doc: torch.Tensor  # int32
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_start.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.__dict__.values() if isinstance(t, torch.Tensor))
+
+
+class Layout:
+    """One sequence of segments: `Layout.from_segments([("text", 40), ("image", 256), ("text", 24, 1)])`."""
+
+    __slots__ = ("segments", "_tables")
+
+    def __init__(self, segments: Iterable[Segment]) -> None:
+        self.segments: tuple[Segment, ...] = tuple(segments)
+        self._tables: dict = {}
+        _check_segments(self.segments)
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_segments(cls, items: Iterable[SegmentLike]) -> "Layout":
+        segments = []
+        for index, item in enumerate(items):
+            if isinstance(item, Segment):
+                segments.append(item)
+                continue
+            if isinstance(item, str) or not isinstance(item, Sequence) or len(item) not in (2, 3):
+                raise ValueError(
+                    f"segment {index} is {item!r}; write (modality, length) or (modality, length, document)"
+                )
+            modality, length, *doc = item
+            segments.append(Segment(modality, length, doc[0] if doc else 0))
+        return cls(segments)
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """Parse "text:40 image:256 text:24@1" (modality:length[@document], space or comma separated)."""
+        if not isinstance(text, str):
+            raise TypeError(f"layout text must be a string, not {type(text).__name__}")
+        words = [w for w in re.split(r"[\s,]+", text.strip()) if w]
+        if not words:
+            raise ValueError("layout text is empty; write segments like 'text:40 image:256 text:24@1'")
+        segments = []
+        for word in words:
+            match = _TOKEN_RE.match(word)
+            if not match:
+                raise ValueError(
+                    f"cannot read layout segment '{word}'; write modality:length or modality:length@document, "
+                    "e.g. 'image:256' or 'text:24@1'"
+                )
+            segments.append(Segment(match.group(1), int(match.group(2)), int(match.group(3) or 0)))
+        return cls(segments)
+
+    @staticmethod
+    def batch(layouts: Iterable["Layout"]) -> "LayoutBatch":
+        return LayoutBatch(layouts)
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def seq_len(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def batch_size(self) -> int:
+        return 1
+
+    @property
+    def layouts(self) -> tuple["Layout", ...]:
+        return (self,)
+
+    @property
+    def modalities(self) -> set[str]:
+        return {s.modality for s in self.segments}
+
+    def starts(self) -> list[int]:
+        out, position = [], 0
+        for s in self.segments:
+            out.append(position)
+            position += s.length
+        return out
+
+    def __len__(self) -> int:
+        return self.seq_len
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.segments == other.segments
+
+    def __hash__(self) -> int:
+        return hash(self.segments)
+
+    def __str__(self) -> str:
+        return " ".join(str(s) for s in self.segments)
+
+    def __repr__(self) -> str:
+        return f"Layout.parse({str(self)!r})"
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def tables(self, rules: Rules, device: torch.device | str | None = None) -> LayoutTables:
+        return _cached_tables(self, rules, device)
+
+    # -- editing -------------------------------------------------------------------------------
+
+    def pad_to_tiles(self, modalities: Iterable[str], multiple: int) -> tuple["Layout", "PaddingReport"]:
+        """Insert `pad` tokens so every segment of the given modalities starts at a multiple of `multiple`.
+
+        A segment boundary inside a tile makes that tile partial; aligning image starts to the
+        tile size keeps their tiles full. Returns the new layout and a report of what moved.
+        """
+        wanted = set(modalities)
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"multiple must be a positive integer, not {multiple!r}")
+        out: list[Segment] = []
+        inserted: list[tuple[int, int, int]] = []  # (new position, tokens, original segment index)
+        position = 0
+        for index, seg in enumerate(self.segments):
+            if seg.modality in wanted and position % multiple:
+                gap = multiple - position % multiple
+                doc = out[-1].doc if out else seg.doc
+                if out and out[-1].modality == PAD and out[-1].doc == doc:
+                    out[-1] = Segment(PAD, out[-1].length + gap, doc)
+                else:
+                    out.append(Segment(PAD, gap, doc))
+                inserted.append((position, gap, index))
+                position += gap
+            out.append(seg)
+            position += seg.length
+        return Layout(out), PaddingReport(self, Layout(out), tuple(inserted), multiple)
+
+    def pad_end(self, seq_len: int) -> "Layout":
+        """Append `pad` tokens up to `seq_len` (to batch layouts of different lengths)."""
+        if seq_len < self.seq_len:
+            raise ValueError(f"cannot pad a layout of {self.seq_len} tokens down to {seq_len}")
+        if seq_len == self.seq_len:
+            return self
+        return Layout(self.segments + (Segment(PAD, seq_len - self.seq_len, self.segments[-1].doc),))
+
+
+@dataclass(frozen=True)
+class PaddingReport:
+    """What `Layout.pad_to_tiles` changed: where pad runs went and where each old token moved."""
+
+    before: Layout
+    after: Layout
+    inserted: tuple[tuple[int, int, int], ...]  # (position in the new layout, pad tokens, segment index)
+    multiple: int
+
+    @property
+    def added_tokens(self) -> int:
+        return sum(n for _, n, _ in self.inserted)
+
+    def new_positions(self) -> torch.Tensor:
+        """new_positions()[i] is where the original token i lives in the padded sequence."""
+        shift = torch.zeros(self.before.seq_len + 1, dtype=torch.int64)
+        old_starts = self.before.starts()
+        for _, tokens, index in self.inserted:
+            shift[old_starts[index]] += tokens
+        return torch.arange(self.before.seq_len) + torch.cumsum(shift, 0)[:-1]
+
+    def __str__(self) -> str:
+        if not self.inserted:
+            return f"nothing to pad: every chosen segment already starts at a multiple of {self.multiple}"
+        lines = [
+            f"inserted {self.added_tokens} pad tokens in {len(self.inserted)} places "
+            f"({self.before.seq_len} -> {self.after.seq_len} tokens, +{100.0 * self.added_tokens / self.before.seq_len:.1f}%)"
+        ]
+        for position, tokens, index in self.inserted:
+            seg = self.before.segments[index]
+            lines.append(f"  {tokens:5d} pad before segment {index} ({seg}), now starting at {position + tokens}")
+        return "\n".join(lines)
+
+
+class LayoutBatch:
+    """B layouts of the same length: one per batch element."""
+
+    __slots__ = ("layouts", "_tables")
+
+    def __init__(self, layouts: Iterable[Layout]) -> None:
+        items = tuple(layouts)
+        if not items:
+            raise ValueError("a batch needs at least one layout")
+        for index, item in enumerate(items):
+            if not isinstance(item, Layout):
+                raise TypeError(f"batch element {index} is a {type(item).__name__}, expected omnigen.Layout")
+        lengths = [item.seq_len for item in items]
+        if len(set(lengths)) > 1:
+            longest = max(lengths)
+            raise ValueError(
+                f"layouts in a batch must have the same length; got {lengths}. "
+                f"Pad the shorter ones with layout.pad_end({longest})"
+            )
+        self.layouts: tuple[Layout, ...] = items
+        self._tables: dict = {}
+
+    @property
+    def seq_len(self) -> int:
+        return self.layouts[0].seq_len
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.layouts)
+
+    @property
+    def modalities(self) -> set[str]:
+        return set().union(*(item.modalities for item in self.layouts))
+
+    def tables(self, rules: Rules, device: torch.device | str | None = None) -> LayoutTables:
+        return _cached_tables(self, rules, device)
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def __getitem__(self, index: int) -> Layout:
+        return self.layouts[index]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayoutBatch) and self.layouts == other.layouts
+
+    def __hash__(self) -> int:
+        return hash(self.layouts)
+
+    def __repr__(self) -> str:
+        return f"Layout.batch([{', '.join(repr(item) for item in self.layouts)}])"
+
+
+AnyLayout = Union[Layout, LayoutBatch]
+
+
+def as_layout(value: object, name: str = "layout") -> AnyLayout:
+    """Accept a Layout, a LayoutBatch, a layout string, or a list of Layouts."""
+    if isinstance(value, (Layout, LayoutBatch)):
+        return value
+    if isinstance(value, str):
+        return Layout.parse(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, Layout) for v in value):
+        return LayoutBatch(value)
+    raise TypeError(f"{name} must be an omnigen.Layout, a LayoutBatch or a string like 'text:40 image:256', "
+                    f"not {type(value).__name__}")
+
+
+def _check_segments(segments: tuple[Segment, ...]) -> None:
+    if not segments:
+        raise ValueError("a layout needs at least one segment")
+    previous_doc = None
+    for index, seg in enumerate(segments):
+        if not isinstance(seg.modality, str) or not _MODALITY_RE.match(seg.modality):
+            raise ValueError(f"segment {index}: modality must be a lowercase name like 'text', not {seg.modality!r}")
+        if isinstance(seg.length, bool) or not isinstance(seg.length, int) or seg.length < 1:
+            raise ValueError(f"segment {index} ({seg.modality}): length must be an integer >= 1, not {seg.length!r}")
+        if isinstance(seg.doc, bool) or not isinstance(seg.doc, int) or seg.doc < 0:
+            raise ValueError(f"segment {index} ({seg.modality}): document id must be an integer >= 0, not {seg.doc!r}")
+        if previous_doc is not None and seg.doc < previous_doc:
+            raise ValueError(
+                f"segment {index} ({seg}): document ids must not decrease along the sequence "
+                f"(document {seg.doc} after document {previous_doc})"
+            )
+        previous_doc = seg.doc
+
+
+def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str | None) -> LayoutTables:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    key = (rules.mask_hash(), rules.modality_names, str(device))
+    cached = layout._tables.get(key)
+    if cached is None:
+        cached = _build_tables(layout.layouts, rules, device)
+        layout._tables[key] = cached
+    return cached
+
+
+def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.device) -> LayoutTables:
+    seq_len = layouts[0].seq_len
+    lengths, modalities, docs, batch = [], [], [], []
+    for b, layout in enumerate(layouts):
+        for seg in layout.segments:
+            lengths.append(seg.length)
+            modalities.append(rules.modality_id(seg.modality))
+            docs.append(seg.doc)
+            batch.append(b)
+    length = torch.tensor(lengths, dtype=torch.int64)
+    seg_modality = torch.tensor(modalities, dtype=torch.int64)
+    seg_doc = torch.tensor(docs, dtype=torch.int64)
+    seg_batch = torch.tensor(batch, dtype=torch.int64)
+    seg_end = torch.cumsum(length, 0)
+    seg_start = seg_end - length
+
+    # Visible range: the segment's document (isolated) or its whole batch element (shared).
+    group = seg_batch * (int(seg_doc.max()) + 1) + seg_doc if rules.isolated_documents else seg_batch
+    first = torch.ones_like(group, dtype=torch.bool)
+    first[1:] = group[1:] != group[:-1]
+    group_index = torch.cumsum(first.to(torch.int64), 0) - 1
+    group_start = seg_start[first]
+    last = torch.ones_like(first)
+    last[:-1] = first[1:]
+    group_end = seg_end[last]
+
+    token_segment = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), length)
+    tables = LayoutTables(
+        batch_size=len(layouts),
+        seq_len=seq_len,
+        seg_start=seg_start,
+        seg_end=seg_end,
+        seg_modality=seg_modality,
+        seg_doc=seg_doc,
+        seg_batch=seg_batch,
+        seg_visible_start=group_start[group_index],
+        seg_visible_end=group_end[group_index],
+        token_segment=token_segment.view(len(layouts), seq_len),
+        token_modality=seg_modality.to(torch.int32)[token_segment.long()].view(len(layouts), seq_len),
+        token_doc=seg_doc.to(torch.int32)[token_segment.long()].view(len(layouts), seq_len),
+    )
+    if device.type != "cpu":
+        tables = LayoutTables(
+            **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in tables.__dict__.items()}
+        )
+    return tables

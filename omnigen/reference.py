@@ -1,0 +1,230 @@
+"""References: the dense mask, float64 attention, and a CPU emulator of the kernels' tile loop.
+
+`allowed_pair` is DESIGN section 1 read literally, one pair at a time, from the segments: the
+oracle the vectorised code is tested against. `tile_predicate` is the predicate the generated
+kernels evaluate on partial tiles, written over the same per-token tables they read.
+The emulator walks a `Plan`'s schedules exactly as a kernel does (online softmax forward;
+dK/dV per kv-tile over the backward schedule, dQ accumulated), so a wrong plan gives a wrong
+emulated result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import AnyLayout, Layout, LayoutTables, as_layout
+from .plan import CAUSAL, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, Plan, rule_tensors
+from .rules import PAD, Rules
+
+# --------------------------------------------------------------------------------------------
+# masks
+
+
+def allowed_pair(rules: Rules, layout: Layout, q: int, k: int) -> bool:
+    """DESIGN section 1, literally, for one (query, key) pair. Slow; the oracle for tests."""
+    starts = layout.starts()
+    seg_q = max(i for i, s in enumerate(starts) if s <= q)
+    seg_k = max(i for i, s in enumerate(starts) if s <= k)
+    a, c = layout.segments[seg_q], layout.segments[seg_k]
+    if a.modality == PAD or c.modality == PAD:
+        return False
+    if rules.documents == "isolated" and a.doc != c.doc:
+        return False
+    if seg_q == seg_k:
+        ok = k <= q if rules.modality(a.modality).self == "causal" else True
+    elif seg_k < seg_q:
+        ok = rules.see_policy(a.modality, c.modality) in ("earlier", "all")
+    else:
+        ok = rules.see_policy(a.modality, c.modality) == "all"
+    window = rules.modality(a.modality).window
+    if ok and window > 0:
+        ok = q - k < window
+    return ok
+
+
+def tile_predicate(
+    rules: Rules, tables: LayoutTables, batch: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
+    rule_t: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """allowed[q_pos x k_pos] for batch element `batch`, from the per-token tables only."""
+    rule_t = rule_t or rule_tensors(rules, q_pos.device)
+    qp, kp = q_pos[:, None], k_pos[None, :]
+    seg_q = tables.token_segment[batch, q_pos].long()[:, None]
+    seg_k = tables.token_segment[batch, k_pos].long()[None, :]
+    mod_q = tables.token_modality[batch, q_pos].long()[:, None]
+    mod_k = tables.token_modality[batch, k_pos].long()[None, :]
+    pad = rules.pad_id
+    allowed = (mod_q != pad) & (mod_k != pad)
+    if rules.isolated_documents:
+        allowed &= tables.token_doc[batch, q_pos][:, None] == tables.token_doc[batch, k_pos][None, :]
+    see = rule_t["see"][mod_q, mod_k]
+    own = torch.where(rule_t["causal"][mod_q], kp <= qp, torch.ones_like(allowed))
+    other = torch.where(seg_k < seg_q, see >= SEE_EARLIER, see == SEE_ALL)
+    allowed &= torch.where(seg_q == seg_k, own, other)
+    window = rule_t["window"][mod_q]
+    allowed &= (window == 0) | (qp - kp < window)
+    return allowed
+
+
+def dense_mask(rules: Rules, layout: AnyLayout | str, device: torch.device | str | None = None) -> torch.Tensor:
+    """The whole mask, torch.bool [S, S] (or [B, S, S] for a batch). O(S^2): for tests and plots."""
+    layout = as_layout(layout)
+    tables = layout.tables(rules, device)
+    positions = torch.arange(tables.seq_len, device=tables.token_segment.device)
+    rule_t = rule_tensors(rules, positions.device)
+    masks = torch.stack([tile_predicate(rules, tables, b, positions, positions, rule_t) for b in range(tables.batch_size)])
+    return masks if tables.batch_size > 1 or not isinstance(layout, Layout) else masks[0]
+
+
+# --------------------------------------------------------------------------------------------
+# float64 attention
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention in float64: (out [B, Hq, S, D], lse [B, Hq, S]); rows with no key give 0 and -inf.
+
+    Differentiable (gradients of empty rows are zero, never NaN). `mask` is [S, S] or [B, S, S].
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q64, k64, v64 = q.double(), _expand_kv(k.double(), q.shape[1]), _expand_kv(v.double(), q.shape[1])
+    mask = mask.to(q.device)
+    mask = (mask if mask.dim() == 3 else mask[None])[:, None]  # [B or 1, 1, S, S]
+    scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    denom = p.sum(-1, keepdim=True)
+    has_key = denom > 0
+    out = torch.matmul(p, v64) / torch.where(has_key, denom, torch.ones_like(denom))
+    lse = torch.where(has_key, torch.log(torch.where(has_key, denom, torch.ones_like(denom))) + row_max,
+                      torch.full_like(denom, float("-inf")))
+    return out, lse.squeeze(-1)
+
+
+def attention_reference_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, d_out: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in float64 for upstream gradient d_out."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, _ = attention_reference(q64, k64, v64, mask, scale)
+    return torch.autograd.grad(out, (q64, k64, v64), d_out.double())
+
+
+# --------------------------------------------------------------------------------------------
+# kernel emulator
+
+
+class _TileMasks:
+    """The per-kind masking a kernel applies, for one plan."""
+
+    def __init__(self, rules: Rules, plan: Plan):
+        self.rules, self.plan = rules, plan
+        self.rule_t = rule_tensors(rules, plan.device)
+
+    def rows(self, tile: int) -> torch.Tensor:
+        start = tile * self.plan.block_m
+        return torch.arange(start, min(start + self.plan.block_m, self.plan.seq_len), device=self.plan.device)
+
+    def cols(self, tile: int) -> torch.Tensor:
+        start = tile * self.plan.block_n
+        return torch.arange(start, min(start + self.plan.block_n, self.plan.seq_len), device=self.plan.device)
+
+    def apply(self, scores: torch.Tensor, kind: int, batch: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        if kind == FULL:
+            return scores  # the full path does no mask work at all
+        if kind == CAUSAL:
+            allowed = cols[None, :] <= rows[:, None]
+        else:
+            assert kind == PARTIAL
+            allowed = tile_predicate(self.rules, self.plan.tables, batch, rows, cols, self.rule_t)
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _groups(ptr: list[int], row: int):
+    for g, kind in enumerate(SCHEDULE_KINDS):
+        yield kind, ptr[3 * row + g], ptr[3 * row + g + 1]
+
+
+def emulate_forward(
+    rules: Rules, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel's tile loop in float32: (out, lse) like `attention_reference`."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    B, H, S, D = q.shape
+    masks = _TileMasks(rules, plan)
+    qf, kf, vf = q.float(), _expand_kv(k.float(), H), _expand_kv(v.float(), H)
+    out = torch.zeros(B, H, S, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
+    ptr, kv_index = plan.fwd_ptr.tolist(), plan.fwd_kv.tolist()
+    nq = plan.num_q_tiles
+    for row in range(B * nq):
+        b, i = divmod(row, nq)
+        rows = masks.rows(i)
+        q_tile = qf[b, :, rows]
+        acc = torch.zeros(H, rows.numel(), D, device=q.device)
+        m = torch.full((H, rows.numel()), float("-inf"), device=q.device)
+        l = torch.zeros(H, rows.numel(), device=q.device)
+        for kind, begin, end in _groups(ptr, row):
+            for j in kv_index[begin:end]:
+                cols = masks.cols(j)
+                scores = masks.apply(q_tile @ kf[b, :, cols].transpose(-1, -2) * scale, kind, b, rows, cols)
+                m_new = torch.maximum(m, scores.amax(-1))
+                m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+                p = torch.exp(scores - m_safe[..., None])
+                alpha = torch.exp(m - m_safe)
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + p @ vf[b, :, cols]
+                m = m_new
+        has_key = l > 0
+        out[b, :, rows] = torch.where(has_key[..., None], acc / torch.where(has_key, l, 1)[..., None], 0.0)
+        lse[b, :, rows] = torch.where(has_key, m + torch.log(torch.where(has_key, l, 1)), float("-inf"))
+    return out, lse
+
+
+def emulate_backward(
+    rules: Rules, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, d_out: torch.Tensor, scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels' loop in float32: dK/dV per kv-tile over the backward schedule, dQ accumulated."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    B, H, S, D = q.shape
+    kv_heads = k.shape[1]
+    masks = _TileMasks(rules, plan)
+    qf, kf, vf, dof = q.float(), _expand_kv(k.float(), H), _expand_kv(v.float(), H), d_out.float()
+    delta = (dof * out.float()).sum(-1)  # the dO . O row sums
+    dq = torch.zeros(B, H, S, D, device=q.device)
+    dk = torch.zeros(B, H, S, D, device=q.device)
+    dv = torch.zeros(B, H, S, D, device=q.device)
+    ptr, q_index = plan.bwd_ptr.tolist(), plan.bwd_q.tolist()
+    nk = plan.num_kv_tiles
+    for column in range(B * nk):
+        b, j = divmod(column, nk)
+        cols = masks.cols(j)
+        k_tile, v_tile = kf[b, :, cols], vf[b, :, cols]
+        for kind, begin, end in _groups(ptr, column):
+            for i in q_index[begin:end]:
+                rows = masks.rows(i)
+                row_lse = lse[b, :, rows].float()
+                scores = masks.apply(qf[b, :, rows] @ k_tile.transpose(-1, -2) * scale, kind, b, rows, cols)
+                finite = torch.isfinite(row_lse)
+                p = torch.exp(scores - torch.where(finite, row_lse, 0.0)[..., None])
+                p = torch.where(finite[..., None], p, 0.0)
+                dv[b, :, cols] += p.transpose(-1, -2) @ dof[b, :, rows]
+                dp = dof[b, :, rows] @ v_tile.transpose(-1, -2)
+                ds = p * (dp - delta[b, :, rows][..., None])
+                dk[b, :, cols] += ds.transpose(-1, -2) @ qf[b, :, rows] * scale
+                dq[b, :, rows] += ds @ k_tile * scale
+    group = H // kv_heads
+    dk = dk.view(B, kv_heads, group, S, D).sum(2)
+    dv = dv.view(B, kv_heads, group, S, D).sum(2)
+    return dq, dk, dv
