@@ -228,3 +228,25 @@ def emulate_backward(
     dk = dk.view(B, kv_heads, group, S, D).sum(2)
     dv = dv.view(B, kv_heads, group, S, D).sum(2)
     return dq, dk, dv
+
+
+def tile_kinds_from_mask(mask: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """Tile kinds read off a dense [S, S] mask, tile by tile: the definition the planner must match."""
+    S = mask.shape[-1]
+    nq, nk = -(-S // block_m), -(-S // block_n)
+    kinds = torch.zeros(nq, nk, dtype=torch.int8)
+    positions = torch.arange(S)
+    for i in range(nq):
+        rows = positions[i * block_m : (i + 1) * block_m]
+        for j in range(nk):
+            cols = positions[j * block_n : (j + 1) * block_n]
+            tile = mask[rows[0] : rows[-1] + 1, cols[0] : cols[-1] + 1]
+            if not tile.any():
+                continue
+            if tile.all():
+                kinds[i, j] = FULL
+            elif torch.equal(tile, cols[None, :] <= rows[:, None]):
+                kinds[i, j] = CAUSAL
+            else:
+                kinds[i, j] = PARTIAL
+    return kinds

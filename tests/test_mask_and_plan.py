@@ -1,0 +1,147 @@
+"""The dense mask against DESIGN section 1 read literally, and the planner against the dense mask."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import omnigen
+from omnigen.plan import CAUSAL, EMPTY, FULL, PARTIAL
+from omnigen.reference import allowed_pair, tile_kinds_from_mask
+
+from strategies import block_sizes, layouts, rules
+
+
+@st.composite
+def rules_and_layout(draw, max_segments=8, max_length=40):
+    rule_set = draw(rules())
+    return rule_set, draw(layouts(rule_set, max_segments, max_length))
+
+
+@settings(max_examples=500)
+@given(rules_and_layout(max_segments=6, max_length=12))
+def test_dense_mask_is_design_section_1(case):
+    rule_set, layout = case
+    mask = rule_set.dense_mask(layout)
+    S = layout.seq_len
+    assert mask.shape == (S, S) and mask.dtype == torch.bool
+    expected = torch.tensor([[allowed_pair(rule_set, layout, q, k) for k in range(S)] for q in range(S)])
+    assert torch.equal(mask, expected)
+
+
+def _schedule_sets(ptr, index, rows):
+    ptr = ptr.tolist()
+    out = {}
+    for r in range(rows):
+        for g, kind in enumerate((FULL, CAUSAL, PARTIAL)):
+            for x in index[ptr[3 * r + g] : ptr[3 * r + g + 1]].tolist():
+                out[(r, x)] = kind
+    return out
+
+
+def _check_plan(rule_set, layout, block_m, block_n, mask):
+    p = omnigen.plan(rule_set, layout, block_m, block_n)
+    expected = tile_kinds_from_mask(mask, block_m, block_n)
+    assert torch.equal(p.kinds, expected), f"\nplan:\n{p.kinds}\nexpected:\n{expected}"
+    assert p.allowed_pairs == int(mask.sum())
+    # forward and backward schedules list the same tiles with the same kinds, sorted inside a kind
+    fwd = _schedule_sets(p.fwd_ptr, p.fwd_kv, p.num_q_tiles)
+    bwd = {(i, j): kind for (j, i), kind in _schedule_sets(p.bwd_ptr, p.bwd_q, p.num_kv_tiles).items()}
+    nonempty = {(i, j): int(expected[i, j]) for i, j in zip(*torch.nonzero(expected, as_tuple=True)) for i, j in [(int(i), int(j))]}
+    assert fwd == nonempty and bwd == nonempty
+    for r in range(p.num_q_tiles):
+        for kind, tiles in p.forward_tiles(r).items():
+            assert tiles == sorted(tiles)
+    counts = p.counts()
+    assert sum(counts.values()) == p.num_q_tiles * p.num_kv_tiles
+    assert counts["empty"] == int((expected == EMPTY).sum())
+    return p
+
+
+@settings(max_examples=1000)
+@given(rules_and_layout(), block_sizes, block_sizes)
+def test_plan_is_exact(case, block_m, block_n):
+    rule_set, layout = case
+    _check_plan(rule_set, layout, block_m, block_n, rule_set.dense_mask(layout))
+
+
+@settings(max_examples=150)
+@given(st.data(), block_sizes, block_sizes)
+def test_batched_plan_is_each_layout_planned_alone(data, block_m, block_n):
+    rule_set = data.draw(rules())
+    first = data.draw(layouts(rule_set))
+    others = [data.draw(layouts(rule_set)) for _ in range(data.draw(st.integers(1, 3)))]
+    S = max([first.seq_len] + [o.seq_len for o in others])
+    batch = omnigen.Layout.batch([first.pad_end(S)] + [o.pad_end(S) for o in others])
+    p = omnigen.plan(rule_set, batch, block_m, block_n)
+    assert p.kinds.shape == (batch.batch_size, p.num_q_tiles, p.num_kv_tiles)
+    masks = rule_set.dense_mask(batch)
+    for b, item in enumerate(batch.layouts):
+        single = omnigen.plan(rule_set, item, block_m, block_n)
+        assert torch.equal(p.kinds[b], single.kinds)
+        assert torch.equal(masks[b], rule_set.dense_mask(item))
+        assert p.forward_tiles(0, batch=b) == single.forward_tiles(0)
+    assert p.allowed_pairs == int(masks.sum())
+
+
+def test_transfusion_tile_kinds_by_hand():
+    rules = omnigen.Rules(name="t", modalities={"text": "causal", "image": "full"})
+    layout = omnigen.Layout.parse("text:32 image:32 text:32")
+    p = omnigen.plan(rules, layout, 16, 16)
+    K = {0: ".", 1: "F", 2: "C", 3: "P"}
+    grid = ["".join(K[int(x)] for x in row) for row in p.kinds]
+    assert grid == [
+        "C.....",
+        "FC....",
+        "FFFF..",
+        "FFFF..",
+        "FFFFC.",
+        "FFFFFC",
+    ]
+    assert p.counts() == {"empty": 14, "full": 18, "causal": 4, "partial": 0}
+
+
+def test_window_and_documents_and_tails():
+    rules = omnigen.Rules(name="w", modalities={"text": {"self": "causal", "window": 20}, "image": "full"})
+    layout = omnigen.Layout.parse("text:50 image:17 text:30@1 pad:3@1")
+    for bm, bn in ((16, 16), (32, 48), (128, 128)):
+        _check_plan(rules, layout, bm, bn, rules.dense_mask(layout))
+
+
+def test_all_pad_layout_plans_nothing():
+    rules = omnigen.Rules(name="p", modalities={"text": "causal"})
+    p = omnigen.plan(rules, omnigen.Layout.parse("pad:40"), 16, 16)
+    assert p.num_tiles == 0 and p.allowed_pairs == 0 and p.counts()["empty"] == 9
+
+
+def test_plan_rejects_bad_blocks():
+    rules = omnigen.Rules(name="p", modalities={"text": "causal"})
+    for bad in (0, 8, 24, 100, -16, 16.0, True):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            omnigen.plan(rules, "text:40", block_m=bad)
+    with pytest.raises(ValueError, match="not in the rules"):
+        omnigen.plan(rules, "text:40 image:3", 16, 16)
+
+
+def test_plan_metadata_is_compact():
+    rules = omnigen.Rules(name="t", modalities={"text": "causal", "image": "full"})
+    segments = []
+    while sum(n for _, n in segments) < 32768:
+        segments += [("text", 100), ("image", 256)]
+    layout = omnigen.Layout.from_segments(segments)
+    p = omnigen.plan(rules, layout, 128, 128)
+    # two int32 index lists over visited tiles plus O(tiles per side) pointers
+    assert p.nbytes() <= 8 * p.num_tiles + 4 * 3 * (p.num_q_tiles + p.num_kv_tiles) + 8
+
+
+@pytest.mark.gpu
+@settings(max_examples=100)
+@given(rules_and_layout(), block_sizes, block_sizes)
+def test_plan_on_gpu_matches_cpu(case, block_m, block_n):
+    rule_set, layout = case
+    cpu = omnigen.plan(rule_set, layout, block_m, block_n)
+    gpu = omnigen.plan(rule_set, layout, block_m, block_n, device="cuda")
+    assert gpu.fwd_kv.is_cuda
+    for name in ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q"):
+        assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), name
+    assert cpu.allowed_pairs == gpu.allowed_pairs
