@@ -165,6 +165,8 @@ class Layout:
 
         A segment boundary inside a tile makes that tile partial; aligning image starts to the
         tile size keeps their tiles full. Returns the new layout and a report of what moved.
+        The mask between real tokens is unchanged, except that a `window` counts positions, so
+        pad inserted inside a window's reach narrows what that window covers.
         """
         wanted = set(modalities)
         if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
