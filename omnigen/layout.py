@@ -16,6 +16,7 @@ import torch
 from .rules import PAD, Rules
 
 _MODALITY_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+MAX_SEQ_LEN = 2**31 - 1
 _TOKEN_RE = re.compile(r"^([a-z][a-z0-9_]*):(-?\d+)(?:@(-?\d+))?$")
 
 
@@ -82,7 +83,7 @@ class Layout:
             if isinstance(item, Segment):
                 segments.append(item)
                 continue
-            if isinstance(item, str) or not isinstance(item, Sequence) or len(item) not in (2, 3):
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
                 raise ValueError(
                     f"segment {index} is {item!r}; write (modality, length) or (modality, length, document)"
                 )
@@ -103,8 +104,8 @@ class Layout:
             match = _TOKEN_RE.match(word)
             if not match:
                 raise ValueError(
-                    f"cannot read layout segment '{word}'; write modality:length or modality:length@document, "
-                    "e.g. 'image:256' or 'text:24@1'"
+                    f"cannot read layout segment '{word}' ({_unreadable(word)}); write modality:length or "
+                    "modality:length@document, e.g. 'image:256' or 'text:24@1'"
                 )
             segments.append(Segment(match.group(1), int(match.group(2)), int(match.group(3) or 0)))
         return cls(segments)
@@ -299,6 +300,27 @@ def as_layout(value: object, name: str = "layout") -> AnyLayout:
                     f"not {type(value).__name__}")
 
 
+def _unreadable(word: str) -> str:
+    """Why one word of a layout string does not parse, in a few words."""
+    if re.search(r"[;|/]", word):
+        return "separate segments with spaces or commas"
+    name, colon, rest = word.partition(":")
+    if not colon:
+        return "no ':length'"
+    if not name:
+        return "no modality name before ':'"
+    if not _MODALITY_RE.match(name):
+        return f"modality names are lowercase words like 'text', not {name!r}"
+    length, at, doc = rest.partition("@")
+    if not length:
+        return "no length after ':'"
+    if not re.fullmatch(r"-?\d+", length):
+        return f"the length {length!r} is not a whole number"
+    if at and not re.fullmatch(r"-?\d+", doc):
+        return f"the document id {doc!r} is not a whole number"
+    return "unexpected characters"
+
+
 def _check_segments(segments: tuple[Segment, ...]) -> None:
     if not segments:
         raise ValueError("a layout needs at least one segment")
@@ -316,6 +338,9 @@ def _check_segments(segments: tuple[Segment, ...]) -> None:
                 f"(document {seg.doc} after document {previous_doc})"
             )
         previous_doc = seg.doc
+    total = sum(seg.length for seg in segments)
+    if total > MAX_SEQ_LEN:  # kernels index tokens with 32-bit integers
+        raise ValueError(f"a layout may have at most {MAX_SEQ_LEN} tokens, this one has {total}")
 
 
 def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str | None) -> LayoutTables:
@@ -329,18 +354,17 @@ def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str |
 
 
 def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.device) -> LayoutTables:
+    """Segment tables are made on the CPU (they are small) and moved in one copy; token tables on `device`."""
     seq_len = layouts[0].seq_len
+    ids = {name: rules.modality_id(name) for name in set().union(*(layout.modalities for layout in layouts))}
     lengths, modalities, docs, batch = [], [], [], []
     for b, layout in enumerate(layouts):
         for seg in layout.segments:
             lengths.append(seg.length)
-            modalities.append(rules.modality_id(seg.modality))
+            modalities.append(ids[seg.modality])
             docs.append(seg.doc)
             batch.append(b)
-    length = torch.tensor(lengths, dtype=torch.int64)
-    seg_modality = torch.tensor(modalities, dtype=torch.int64)
-    seg_doc = torch.tensor(docs, dtype=torch.int64)
-    seg_batch = torch.tensor(batch, dtype=torch.int64)
+    length, seg_modality, seg_doc, seg_batch = torch.tensor([lengths, modalities, docs, batch], dtype=torch.int64)
     seg_end = torch.cumsum(length, 0)
     seg_start = seg_end - length
 
@@ -349,13 +373,17 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
     first = torch.ones_like(group, dtype=torch.bool)
     first[1:] = group[1:] != group[:-1]
     group_index = torch.cumsum(first.to(torch.int64), 0) - 1
-    group_start = seg_start[first]
     last = torch.ones_like(first)
     last[:-1] = first[1:]
-    group_end = seg_end[last]
-
-    token_segment = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), length)
-    tables = LayoutTables(
+    packed = torch.stack(
+        [seg_start, seg_end, seg_modality, seg_doc, seg_batch, seg_start[first][group_index], seg_end[last][group_index], length]
+    ).to(device, non_blocking=True)
+    seg_start, seg_end, seg_modality, seg_doc, seg_batch, visible_start, visible_end, length = packed.unbind(0)
+    count = packed.shape[1]
+    token_segment = torch.repeat_interleave(
+        torch.arange(count, dtype=torch.int32, device=device), length, output_size=len(layouts) * seq_len
+    )
+    return LayoutTables(
         batch_size=len(layouts),
         seq_len=seq_len,
         seg_start=seg_start,
@@ -363,14 +391,9 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
         seg_modality=seg_modality,
         seg_doc=seg_doc,
         seg_batch=seg_batch,
-        seg_visible_start=group_start[group_index],
-        seg_visible_end=group_end[group_index],
+        seg_visible_start=visible_start,
+        seg_visible_end=visible_end,
         token_segment=token_segment.view(len(layouts), seq_len),
-        token_modality=seg_modality.to(torch.int32)[token_segment.long()].view(len(layouts), seq_len),
-        token_doc=seg_doc.to(torch.int32)[token_segment.long()].view(len(layouts), seq_len),
+        token_modality=seg_modality.to(torch.int32)[token_segment].view(len(layouts), seq_len),
+        token_doc=seg_doc.to(torch.int32)[token_segment].view(len(layouts), seq_len),
     )
-    if device.type != "cpu":
-        tables = LayoutTables(
-            **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in tables.__dict__.items()}
-        )
-    return tables

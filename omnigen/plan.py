@@ -188,7 +188,8 @@ def plan(
 ) -> Plan:
     """Classify every (block_m x block_n) tile of the mask exactly and build forward/backward schedules.
 
-    Runs on `device` (default CPU) with vectorised tensor code; memory is O(S + visited tiles).
+    Runs on `device` (default CPU) with vectorised tensor code; memory is O(S + visited tiles)
+    plus one byte per tile for the kind grid.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
@@ -197,137 +198,16 @@ def plan(
     block_n = _check_block(block_n, "block_n")
     device = torch.device(device) if device is not None else torch.device("cpu")
     tables = layout.tables(rules, device)
-    rt = rule_tensors(rules, device)
     B, S = tables.batch_size, tables.seq_len
-    n_tokens = B * S
     nq, nk = -(-S // block_m), -(-S // block_n)
-    n_mod = len(rules.modalities)
-    big = 4 * n_tokens + 4 * max(block_m, block_n)
-    i64 = dict(dtype=torch.int64, device=device)
-
-    # ---- per-column indicators and their prefix sums --------------------------------------
-    # weight rows: 0 = every column; 1 + m = E_m (m may see it when earlier); 1 + M + m = L_m (later)
-    token_mod = tables.token_modality.reshape(-1).long()
-    see_of_column = rt["see"][:n_mod][:, token_mod]  # [M, N]
-    weights = torch.cat(
-        [torch.ones(1, n_tokens, **i64), (see_of_column >= SEE_EARLIER).long(), (see_of_column == SEE_ALL).long()]
-    )
-    n_rows = weights.shape[0]
-    prefix = torch.zeros(n_rows, n_tokens + 1, **i64)
-    prefix[:, 1:] = torch.cumsum(weights, 1)
-    prefix2 = torch.zeros(n_rows, n_tokens + 2, **i64)
-    prefix2[:, 1:] = torch.cumsum(prefix, 1)
-    prefix_flat, prefix2_flat = prefix.reshape(-1), prefix2.reshape(-1)
-    p_stride, pp_stride = n_tokens + 1, n_tokens + 2
-
-    def window_sum(row, x, y, r0, r1, delta):
-        """sum over q in [r0, r1) of P_row[clamp(q + delta, x, y)], elementwise; needs x <= y."""
-        t0, t1 = r0 + delta, r1 + delta
-        mid_lo = torch.clamp(x + 1, t0, t1)
-        mid_hi = torch.maximum(torch.clamp(y, t0, t1), mid_lo)
-        base = row * p_stride
-        base2 = row * pp_stride
-        mid = prefix2_flat[base2 + mid_hi.clamp(0, n_tokens + 1)] - prefix2_flat[base2 + mid_lo.clamp(0, n_tokens + 1)]
-        return (mid_lo - t0) * prefix_flat[base + x] + mid + (t1 - mid_hi) * prefix_flat[base + y]
-
-    # ---- row pieces: runs of rows inside one q-tile and one segment ------------------------
-    element = torch.arange(B, **i64)
-    tile_starts = (element[:, None] * S + torch.arange(nq, **i64)[None, :] * block_m).reshape(-1)
-    starts = torch.unique(torch.cat([tile_starts, tables.seg_start]))  # sorted
-    ends = torch.cat([starts[1:], torch.tensor([n_tokens], **i64)])
-    segment = tables.token_segment.reshape(-1).long()[starts]
-    modality = tables.seg_modality[segment]
-    keep = modality != rules.pad_id
-    r0, r1, segment, modality = starts[keep], ends[keep], segment[keep], modality[keep]
-    b = r0 // S
-    row_tile = b * nq + (r0 - b * S) // block_m
-    s0, s1 = tables.seg_start[segment], tables.seg_end[segment]
-    v0, v1 = tables.seg_visible_start[segment], tables.seg_visible_end[segment]
-    causal = rt["causal"][modality]
-    window = rt["window"][modality]
-    window = torch.where(window > 0, window, torch.full_like(window, big))
-    e_row, l_row = 1 + modality, 1 + n_mod + modality
-
-    # Columns a piece can reach: skip kv-tiles that certainly hold nothing it may see.
-    sees_earlier = (prefix_flat[e_row * p_stride + s0] - prefix_flat[e_row * p_stride + v0]) > 0
-    sees_later = (prefix_flat[l_row * p_stride + v1] - prefix_flat[l_row * p_stride + s1]) > 0
-    lo = torch.maximum(torch.where(sees_earlier, v0, s0), r0 - window + 1)
-    hi = torch.where(sees_later, v1, torch.where(causal, r1, s1))
-    base = b * S
-    j_lo = (lo - base) // block_n
-    j_hi = (hi - base + block_n - 1) // block_n
-    per_piece = (j_hi - j_lo).clamp(min=0)
-
-    # ---- expand to (piece, kv-tile) pairs ----------------------------------------------------
-    total = int(per_piece.sum())
-    piece = torch.repeat_interleave(torch.arange(per_piece.numel(), device=device), per_piece, output_size=total)
-    first = torch.cumsum(per_piece, 0) - per_piece
-    j = j_lo[piece] + torch.arange(total, device=device) - first[piece]
-    c0 = base[piece] + j * block_n
-    c1 = torch.minimum(c0 + block_n, base[piece] + S)
-    pr0, pr1 = r0[piece], r1[piece]
-    ps0, ps1, pv0, pv1 = s0[piece], s1[piece], v0[piece], v1[piece]
-    low_edge = 1 - window[piece]  # sliding lower bound q - W + 1
-    own_top = torch.where(causal[piece], torch.ones_like(low_edge), torch.full_like(low_edge, big))
-    zeros = torch.zeros_like(low_edge)
-    e_rows, l_rows = e_row[piece], l_row[piece]
-
-    def interval(x, y):
-        return x, torch.maximum(y, x)
-
-    e_x, e_y = interval(torch.maximum(pv0, c0), torch.minimum(ps0, c1))
-    o_x, o_y = interval(torch.maximum(ps0, c0), torch.minimum(ps1, c1))
-    l_x, l_y = interval(torch.maximum(ps1, c0), torch.minimum(pv1, c1))
-    infinity = torch.full_like(low_edge, big)
-    ones = torch.ones_like(low_edge)
-    # (weight row, x, y, sliding top offset, sliding bottom offset) for each counted part
-    parts_all = [
-        (e_rows, e_x, e_y, infinity, low_edge),
-        (zeros, o_x, o_y, own_top, low_edge),
-        (l_rows, l_x, l_y, infinity, low_edge),
-    ]
-    parts_above = [
-        (zeros, o_x, o_y, own_top, ones),
-        (l_rows, l_x, l_y, infinity, ones),
-    ]
-    parts = parts_all + parts_above
-    row_t, x_t, y_t, top_t, bottom_t = (torch.stack([p[k] for p in parts]) for k in range(5))
-    rr0, rr1 = pr0.expand_as(x_t), pr1.expand_as(x_t)
-    counted = window_sum(row_t, x_t, y_t, rr0, rr1, top_t) - window_sum(row_t, x_t, y_t, rr0, rr1, bottom_t)
-    allowed = counted[: len(parts_all)].sum(0)
-    above = counted[len(parts_all) :].sum(0)
-
-    # ---- per tile: sum pieces, classify --------------------------------------------------
-    key = row_tile[piece] * nk + j
-    packed = torch.zeros(B * nq * nk, **i64)
-    packed.index_add_(0, key, (allowed << 32) | above)
-    tile = torch.nonzero(packed >> 32).squeeze(1)
-    n_allowed, n_above = packed[tile] >> 32, packed[tile] & 0xFFFFFFFF
-    t_row, t_col = tile // nk, tile % nk
-    t_b = t_row // nq
-    R0 = t_b * S + (t_row % nq) * block_m
-    R1 = torch.minimum(R0 + block_m, t_b * S + S)
-    C0 = t_b * S + t_col * block_n
-    C1 = torch.minimum(C0 + block_n, t_b * S + S)
-    area = (R1 - R0) * (C1 - C0)
-    zero_row = torch.zeros_like(R0)
-    below_or_on = window_sum(zero_row, C0, C1, R0, R1, torch.ones_like(R0)) - (R1 - R0) * C0
-    kind = torch.full_like(tile, PARTIAL)
-    kind = torch.where((n_above == 0) & (n_allowed == below_or_on), torch.full_like(kind, CAUSAL), kind)
-    kind = torch.where(n_allowed == area, torch.full_like(kind, FULL), kind)
-    allowed_pairs = int(n_allowed.sum())
-
-    # ---- schedules ---------------------------------------------------------------------------
-    rank = torch.empty(4, **i64)
-    rank[torch.tensor(SCHEDULE_KINDS, device=device)] = torch.arange(3, **i64)
-    group_rank = rank[kind]
-    fwd_group = t_row * 3 + group_rank
-    fwd_order = torch.argsort(fwd_group * nk + t_col)
-    fwd_ptr = _offsets(fwd_group, B * nq * 3)
-    t_kv_column = t_b * nk + t_col
-    bwd_group = t_kv_column * 3 + group_rank
-    bwd_order = torch.argsort(bwd_group * nq + t_row % nq)
-    bwd_ptr = _offsets(bwd_group, B * nk * 3)
+    if device.type == "cuda" and _gpu_planner() is not None:
+        # Same result in a handful of fused launches; the tensor-op path below costs ~100 launches.
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, allowed_pairs = _gpu_planner().classify_and_schedule(
+            rules, tables, block_m, block_n
+        )
+    else:
+        grid, allowed_pairs = _classify(rules, tables, block_m, block_n)
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q = _schedules(grid.view(B, nq, nk))
     return Plan(
         block_m=block_m,
         block_n=block_n,
@@ -335,13 +215,258 @@ def plan(
         seq_len=S,
         batched=isinstance(layout, LayoutBatch),
         fwd_ptr=fwd_ptr,
-        fwd_kv=t_col[fwd_order].to(torch.int32),
+        fwd_kv=fwd_kv,
         bwd_ptr=bwd_ptr,
-        bwd_q=(t_row % nq)[bwd_order].to(torch.int32),
+        bwd_q=bwd_q,
         allowed_pairs=allowed_pairs,
         tables=tables,
         rules_hash=rules.mask_hash(),
     )
+
+
+def _gpu_planner():
+    """The Triton planner module, or None where Triton is missing (then the tensor-op path runs)."""
+    global _GPU_PLANNER
+    if _GPU_PLANNER is False:
+        try:
+            from . import plan_gpu
+
+            _GPU_PLANNER = plan_gpu if plan_gpu.available() else None
+        except ImportError:
+            _GPU_PLANNER = None
+    return _GPU_PLANNER
+
+
+_GPU_PLANNER = False
+
+
+class _Prefix:
+    """Prefix counts P and prefix-of-prefix PP of 0/1 column weights, one row per weight.
+
+    Weight rows: 0 = every column; 1 + m = E_m (columns modality m sees when earlier);
+    1 + M + m = L_m (columns m sees when later).
+    """
+
+    def __init__(self, rules: Rules, tables: LayoutTables, see: torch.Tensor) -> None:
+        n_mod = len(rules.modalities)
+        n = tables.batch_size * tables.seq_len
+        device = tables.seg_start.device
+        see_of_column = see[:n_mod][:, tables.token_modality.reshape(-1).long()]  # [M, N]
+        weights = torch.cat(
+            [torch.ones(1, n, dtype=torch.int64, device=device), see_of_column >= SEE_EARLIER, see_of_column == SEE_ALL]
+        )
+        self.n = n
+        self.p = torch.zeros(weights.shape[0], n + 1, dtype=torch.int64, device=device)
+        self.p[:, 1:] = torch.cumsum(weights, 1)
+        self.pp = torch.zeros(weights.shape[0], n + 2, dtype=torch.int64, device=device)
+        self.pp[:, 1:] = torch.cumsum(self.p, 1)
+        self.p_flat, self.pp_flat = self.p.view(-1), self.pp.view(-1)
+
+    def count(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """Weighted count of columns [lo, hi) (needs lo <= hi)."""
+        base = row * (self.n + 1)
+        return self.p_flat[base + hi] - self.p_flat[base + lo]
+
+    def window_sum(self, row, x, y, r0, r1, delta) -> torch.Tensor:
+        """sum over q in [r0, r1) of P_row[clamp(q + delta, x, y)], elementwise; needs x <= y."""
+        t0, t1 = r0 + delta, r1 + delta
+        mid_lo = torch.clamp(x + 1, t0, t1)
+        mid_hi = torch.maximum(torch.clamp(y, t0, t1), mid_lo)
+        base, base2 = row * (self.n + 1), row * (self.n + 2)
+        limit = self.n + 1
+        mid = self.pp_flat[base2 + mid_hi.clamp(0, limit)] - self.pp_flat[base2 + mid_lo.clamp(0, limit)]
+        return (mid_lo - t0) * self.p_flat[base + x] + mid + (t1 - mid_hi) * self.p_flat[base + y]
+
+    def count_rows(self, c0, c1, r0, r1, s0, s1, v0, v1, window, causal, e_row, l_row, big):
+        """(allowed, above-diagonal) pair counts of rows [r0, r1) x columns [c0, c1), exactly.
+
+        The rows lie in one segment [s0, s1) whose queries see [v0, v1); `window` is W or `big`.
+        Each part is a column interval [x, y) cut by a sliding interval [q + bottom, q + top).
+        """
+
+        def interval(x, y):
+            return x, torch.maximum(y, x)
+
+        low_edge = 1 - window  # sliding lower bound q - W + 1
+        infinity = torch.full_like(low_edge, big)
+        own_top = torch.where(causal, torch.ones_like(low_edge), infinity)
+        zeros, ones = torch.zeros_like(low_edge), torch.ones_like(low_edge)
+        e_x, e_y = interval(torch.maximum(v0, c0), torch.minimum(s0, c1))
+        o_x, o_y = interval(torch.maximum(s0, c0), torch.minimum(s1, c1))
+        l_x, l_y = interval(torch.maximum(s1, c0), torch.minimum(v1, c1))
+        parts = [  # (weight row, x, y, top, bottom)
+            (e_row, e_x, e_y, infinity, low_edge),  # allowed: earlier segments
+            (zeros, o_x, o_y, own_top, low_edge),  # allowed: own segment
+            (l_row, l_x, l_y, infinity, low_edge),  # allowed: later segments
+            (zeros, o_x, o_y, own_top, ones),  # above the diagonal: own segment
+            (l_row, l_x, l_y, infinity, ones),  # above the diagonal: later segments
+        ]
+        row_t, x_t, y_t, top_t, bottom_t = (torch.stack([p[k] for p in parts]) for k in range(5))
+        rr0, rr1 = r0.expand_as(x_t), r1.expand_as(x_t)
+        counted = self.window_sum(row_t, x_t, y_t, rr0, rr1, top_t) - self.window_sum(row_t, x_t, y_t, rr0, rr1, bottom_t)
+        return counted[:3].sum(0), counted[3:].sum(0)
+
+
+def _ragged(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All (owner, value) with lo[owner] <= value < hi[owner]."""
+    sizes = (hi - lo).clamp(min=0)
+    total = int(sizes.sum())
+    owner = torch.repeat_interleave(torch.arange(sizes.numel(), device=lo.device), sizes, output_size=total)
+    first = torch.cumsum(sizes, 0) - sizes
+    return owner, lo[owner] + torch.arange(total, device=lo.device) - first[owner]
+
+
+def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) -> tuple[torch.Tensor, int]:
+    """Tile kinds as a flat int8 grid [B * nq * nk] and the number of allowed pairs."""
+    device = tables.seg_start.device
+    rt = rule_tensors(rules, device)
+    B, S = tables.batch_size, tables.seq_len
+    n_tokens = B * S
+    nq, nk = -(-S // block_m), -(-S // block_n)
+    n_mod = len(rules.modalities)
+    big = 4 * n_tokens + 4 * max(block_m, block_n)
+    i64 = dict(dtype=torch.int64, device=device)
+    prefix = _Prefix(rules, tables, rt["see"])
+
+    # ---- row pieces: runs of rows inside one q-tile and one segment ------------------------
+    tile_starts = (torch.arange(B, **i64)[:, None] * S + torch.arange(nq, **i64)[None, :] * block_m).reshape(-1)
+    starts = torch.unique(torch.cat([tile_starts, tables.seg_start]))  # sorted
+    ends = torch.cat([starts[1:], torch.tensor([n_tokens], **i64)])
+    segment = tables.token_segment.reshape(-1).long()[starts]
+    modality = tables.seg_modality[segment]
+    keep = modality != rules.pad_id
+    r0, r1, segment, modality = starts[keep], ends[keep], segment[keep], modality[keep]
+    base = (r0 // S) * S
+    row_tile = (r0 // S) * nq + (r0 - base) // block_m
+    s0, s1 = tables.seg_start[segment], tables.seg_end[segment]
+    v0, v1 = tables.seg_visible_start[segment], tables.seg_visible_end[segment]
+    causal = rt["causal"][modality]
+    window = rt["window"][modality]
+    window = torch.where(window > 0, window, torch.full_like(window, big))
+    e_row, l_row = 1 + modality, 1 + n_mod + modality
+    allowed, _ = prefix.count_rows(v0, v1, r0, r1, s0, s1, v0, v1, window, causal, e_row, l_row, big)
+    allowed_pairs = int(allowed.sum())
+
+    # Columns a piece can reach: skip kv-tiles that certainly hold nothing it may see.
+    sees_earlier = prefix.count(e_row, v0, s0) > 0
+    sees_later = prefix.count(l_row, s1, v1) > 0
+    lo = torch.maximum(torch.where(sees_earlier, v0, s0), r0 - window + 1)
+    hi = torch.where(sees_later, v1, torch.where(causal, r1, s1))
+    j_lo = (lo - base) // block_n
+    j_hi = (hi - base + block_n - 1) // block_n
+
+    # ---- far tiles: wholly before every piece of their row, inside every window --------------
+    # There a tile's allowed pairs are sum(rows x E_m(tile)) over the row's pieces, so it is full
+    # when every modality of the row sees all its columns, empty when none sees any, else partial.
+    n_row_tiles = B * nq
+    far_lo = torch.zeros(n_row_tiles, **i64).scatter_reduce_(0, row_tile, torch.maximum(v0, r1 - window), "amax")
+    far_hi = torch.full((n_row_tiles,), n_tokens, **i64).scatter_reduce_(0, row_tile, s0, "amin")
+    row_base = (torch.arange(n_row_tiles, **i64) // nq) * S
+    jf0 = (far_lo - row_base + block_n - 1) // block_n
+    jf1 = torch.maximum((far_hi - row_base) // block_n, jf0)
+    has_piece = torch.zeros(n_row_tiles, dtype=torch.bool, device=device)
+    has_piece[row_tile] = True
+    jf0 = torch.where(has_piece & (jf1 > jf0), jf0, torch.full_like(jf0, big))
+    jf1 = torch.where(jf0 == big, jf0, jf1)
+
+    row_first = torch.arange(n_row_tiles, **i64) % nq * block_m + row_base
+    real_rows = torch.minimum(row_first + block_m, row_base + S) - row_first
+    rows_of = torch.zeros(n_row_tiles, **i64).index_add_(0, row_tile, r1 - r0)
+    present = torch.bincount(row_tile * (n_mod + 1) + modality, minlength=n_row_tiles * (n_mod + 1))
+    bits = 1 << torch.arange(n_mod + 1, **i64)
+    row_set = ((present.view(n_row_tiles, n_mod + 1) > 0).long() * bits).sum(1) | torch.where(
+        rows_of < real_rows, bits[n_mod], 0
+    )  # pad rows: a pad bit that no column satisfies
+    col_first = torch.arange(B * nk, **i64)
+    col_first = (col_first // nk) * S + (col_first % nk) * block_n
+    col_last = torch.minimum(col_first + block_n, (col_first // S) * S + S)
+    e_counts = prefix.p[1 : 1 + n_mod][:, col_last] - prefix.p[1 : 1 + n_mod][:, col_first]  # [M, B*nk]
+    full_bits = ((e_counts == (col_last - col_first)).long() * bits[:n_mod, None]).sum(0)
+    seen_bits = ((e_counts > 0).long() * bits[:n_mod, None]).sum(0)
+    far_row, far_j = _ragged(jf0, jf1)
+    far_col = (far_row // nq) * nk + far_j
+    far_kind = torch.where(
+        (row_set[far_row] & ~full_bits[far_col]) == 0,
+        FULL,
+        torch.where((row_set[far_row] & seen_bits[far_col]) == 0, EMPTY, PARTIAL),
+    )
+
+    # ---- near tiles: the rest of each piece's reach, counted exactly ---------------------------
+    piece_jf0, piece_jf1 = jf0[row_tile], jf1[row_tile]
+    left_piece, left_j = _ragged(j_lo, torch.minimum(j_hi, piece_jf0))
+    right_piece, right_j = _ragged(torch.maximum(j_lo, piece_jf1), j_hi)
+    piece = torch.cat([left_piece, right_piece])
+    j = torch.cat([left_j, right_j])
+    c0 = base[piece] + j * block_n
+    c1 = torch.minimum(c0 + block_n, base[piece] + S)
+    n_rows = (r1 - r0)[piece]
+    # Simple pairs: the tile lies wholly before the piece's segment and inside its window for
+    # every row (rows x E-columns), or wholly after it (rows x L-columns, all above the diagonal).
+    ps0, ps1 = s0[piece], s1[piece]
+    after = c0 >= ps1
+    before = (c1 <= ps0) & (c0 >= (r1 - window)[piece])
+    weight_row = torch.where(after, l_row[piece], e_row[piece])
+    lo_col = torch.where(after, c0, torch.maximum(v0[piece], c0))
+    hi_col = torch.maximum(torch.where(after, torch.minimum(c1, v1[piece]), c1), lo_col)
+    near_allowed = n_rows * prefix.count(weight_row, lo_col, hi_col)
+    near_above = torch.where(after, near_allowed, torch.zeros_like(near_allowed))
+    hard = torch.nonzero(~(after | before)).squeeze(1)
+    if hard.numel():
+        hp = piece[hard]
+        near_allowed[hard], near_above[hard] = prefix.count_rows(
+            c0[hard], c1[hard], r0[hp], r1[hp], s0[hp], s1[hp], v0[hp], v1[hp],
+            window[hp], causal[hp], e_row[hp], l_row[hp], big,
+        )
+
+    key = row_tile[piece] * nk + j
+    packed = torch.zeros(B * nq * nk, **i64)
+    packed.index_add_(0, key, (near_allowed << 32) | near_above)
+    tile = torch.unique(key)
+    n_allowed, n_above = packed[tile] >> 32, packed[tile] & 0xFFFFFFFF
+    t_row, t_col = tile // nk, tile % nk
+    R0 = row_first[t_row]
+    R1 = R0 + real_rows[t_row]
+    C0 = row_base[t_row] + t_col * block_n
+    C1 = torch.minimum(C0 + block_n, row_base[t_row] + S)
+    area = (R1 - R0) * (C1 - C0)
+    zeros = torch.zeros_like(R0)
+    below_or_on = prefix.window_sum(zeros, C0, C1, R0, R1, torch.ones_like(R0)) - (R1 - R0) * C0
+    kind = torch.where(n_allowed == 0, EMPTY, PARTIAL)
+    kind = torch.where((n_above == 0) & (n_allowed == below_or_on) & (n_allowed > 0), CAUSAL, kind)
+    kind = torch.where(n_allowed == area, FULL, kind)
+
+    grid = torch.zeros(B * nq * nk, dtype=torch.int8, device=device)
+    grid[far_row * nk + far_j] = far_kind.to(torch.int8)
+    grid[tile] = kind.to(torch.int8)
+    return grid, allowed_pairs
+
+
+def _schedules(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward (per q-tile row) and backward (per kv-tile column) schedules from a [B, nq, nk] kind grid."""
+    B, nq, nk = grid.shape
+    rank = torch.zeros(4, dtype=torch.int64, device=grid.device)
+    rank[torch.tensor(SCHEDULE_KINDS, device=grid.device)] = torch.arange(3, device=grid.device)
+    flat = grid.reshape(-1)
+    tile = torch.nonzero(flat).squeeze(1)  # sorted by (b, i, j)
+    fwd_ptr, fwd_kv = _grouped(tile // nk, rank[flat[tile].long()], tile % nk, B * nq)
+    columns = grid.transpose(1, 2).reshape(-1)
+    tile = torch.nonzero(columns).squeeze(1)  # sorted by (b, j, i)
+    bwd_ptr, bwd_q = _grouped(tile // nq, rank[columns[tile].long()], tile % nq, B * nk)
+    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q
+
+
+def _grouped(row: torch.Tensor, group: torch.Tensor, index: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR with three groups per row: entries arrive sorted by (row, index); place them by (row, group, index)."""
+    ptr = _offsets(row * 3 + group, n_rows * 3)
+    one_hot = torch.nn.functional.one_hot(group, 3)
+    seen = torch.cumsum(one_hot, 0) - one_hot  # entries of each group before this one
+    per_row = torch.bincount(row * 3 + group, minlength=n_rows * 3).view(n_rows, 3)
+    before_row = torch.cumsum(per_row, 0) - per_row  # entries of each group in earlier rows
+    within = seen.gather(1, group[:, None]).squeeze(1) - before_row[row, group]
+    position = ptr[:-1].long()[row * 3 + group] + within
+    out = torch.empty_like(index, dtype=torch.int32)
+    out[position] = index.to(torch.int32)
+    return ptr, out
 
 
 def _offsets(group: torch.Tensor, n_groups: int) -> torch.Tensor:
