@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One round on the GPU machine: environment, gpu tests, benchmarks; a short table last.
+#   bash scripts/gpu-check.sh            (from the repository root; writes logs under $OUT or ./gpu-check-out)
+# Runs from the source tree (no install needed): PYTHONPATH=. and a private kernel cache.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-check-out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache}"
+status=0
+
+echo "== environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+nvcc --version | tail -1
+git log -1 --format='commit %h %s' 2>/dev/null || true
+
+echo "== gpu tests"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log" | tail -25 || status=1
+grep -qE "[0-9]+ failed|error" "$out/gpu-tests.log" && status=1
+
+echo "== planning benchmark"
+python3 benchmarks/bench_plan.py --json "$out/bench_plan.json" 2>&1 | tee "$out/bench_plan.log" | tail -9 || status=1
+
+for bench in benchmarks/bench_build.py benchmarks/bench_attention.py; do
+  if [ -f "$bench" ]; then
+    name=$(basename "$bench" .py)
+    echo "== $name"
+    python3 "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log" | tail -20 || status=1
+  fi
+done
+
+echo
+echo "== summary"
+tail -1 "$out/gpu-tests.log"
+tail -8 "$out/bench_plan.log"
+exit $status
