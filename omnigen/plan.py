@@ -40,16 +40,23 @@ SEE_NONE, SEE_EARLIER, SEE_ALL = 0, 1, 2
 SEE_CODES = {"none": SEE_NONE, "earlier": SEE_EARLIER, "all": SEE_ALL}
 
 
-def rule_tensors(rules: Rules, device: torch.device) -> dict[str, torch.Tensor]:
-    """The rules as small tensors indexed by modality id (pad = the last id)."""
-    count = len(rules.modalities) + 1
-    see = torch.zeros(count, count, dtype=torch.int64)
-    for q, row in enumerate(rules.see_matrix()):
-        for k, policy in enumerate(row):
-            see[q, k] = SEE_CODES[policy]
-    causal = torch.tensor([m.causal for m in rules.modalities] + [False], dtype=torch.bool)
-    window = torch.tensor([m.window for m in rules.modalities] + [0], dtype=torch.int64)
-    return {"see": see.to(device), "causal": causal.to(device), "window": window.to(device)}
+_RULE_TENSORS: dict[tuple[Rules, str], dict[str, torch.Tensor]] = {}
+
+
+def rule_tensors(rules: Rules, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The rules as small tensors indexed by modality id (pad = the last id); cached per device."""
+    key = (rules, str(device))
+    cached = _RULE_TENSORS.get(key)
+    if cached is None:
+        see = [[SEE_CODES[policy] for policy in row] + [SEE_NONE] for row in rules.see_matrix()]
+        see.append([SEE_NONE] * (len(rules.modalities) + 1))
+        cached = {
+            "see": torch.tensor(see, dtype=torch.int64, device=device),
+            "causal": torch.tensor([m.causal for m in rules.modalities] + [False], dtype=torch.bool, device=device),
+            "window": torch.tensor([m.window for m in rules.modalities] + [0], dtype=torch.int64, device=device),
+        }
+        _RULE_TENSORS[key] = cached
+    return cached
 
 
 @dataclass

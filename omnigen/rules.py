@@ -25,6 +25,7 @@ DOCUMENT_POLICIES = ("isolated", "shared")
 DTYPES = ("bf16", "fp16")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 HEAD_DIMS = (64, 128, 256)
+MAX_WINDOW = 2**31 - 1
 
 _NAME_RE = re.compile(r"^[a-z0-9_]+$")
 _MODALITY_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -223,6 +224,12 @@ class Rules:
             ) from None
         if node is None:
             raise RulesError("the file is empty; it needs at least 'name' and 'modalities'", source=source)
+        if not isinstance(node, yaml.MappingNode):
+            raise RulesError(
+                "the top level must be a mapping with 'name' and 'modalities'",
+                source=source,
+                line=node.start_mark.line + 1,
+            )
         located = _Located(source)
         data = located.convert(node)
         return cls._from_data(data, located)
@@ -287,10 +294,14 @@ class Rules:
 
     def mask_hash(self, length: int = 16) -> str:
         """Hash of what decides the mask only (no `kernel:` section, no name)."""
-        data = self.to_dict()
-        data.pop("kernel", None)
-        data.pop("name", None)
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:length]
+        cached = self.__dict__.get("_mask_hash")
+        if cached is None:
+            data = self.to_dict()
+            data.pop("kernel", None)
+            data.pop("name", None)
+            cached = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+            object.__setattr__(self, "_mask_hash", cached)
+        return cached[:length]
 
     # -- semantics -------------------------------------------------------------------------
 
@@ -315,7 +326,7 @@ class Rules:
         for index, m in enumerate(self.modalities):
             if m.name == name:
                 return index
-        suggestion = closest(name, self.modality_names + (PAD,))
+        suggestion = closest(name, self.modality_names)  # never suggest 'pad' for a typo
         hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
         known = ", ".join(self.modality_names + (PAD,))
         raise ValueError(f"modality '{name}' is not in the rules '{self.name}' (known: {known}){hint}")
@@ -399,8 +410,10 @@ def _positive_int(value: Any, path: tuple[str, ...], located: _Located, what: st
 def _validate_into(rules: Rules, data: dict[str, Any], located: _Located) -> None:
     _check_keys(data, TOP_KEYS, (), located, "top-level")
     for required in ("name", "modalities"):
-        if required not in data or data[required] is None:
+        if required not in data:
             raise located.error(f"missing required key '{required}'", ())
+        if data[required] is None:
+            raise located.error(f"'{required}' is empty; it needs a value", (required,))
 
     name = data["name"]
     if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -482,6 +495,8 @@ def _validate_modalities(raw: Any, located: _Located) -> tuple[Modality, ...]:
         if window is None:
             window = 0
         window = _positive_int(window, path + ("window",), located, "window", minimum=0)
+        if window > MAX_WINDOW:  # kernels index positions with 32-bit integers
+            raise located.error(f"window must be at most {MAX_WINDOW} (0 means no window), not {window}", path + ("window",))
         out.append(Modality(name=name, self=policy, window=window))
     return tuple(sorted(out, key=lambda m: m.name))
 
@@ -501,7 +516,7 @@ def _validate_kernel(raw: Any, located: _Located) -> KernelSpec:
                 raise located.error(
                     f"{key} entries must be among {', '.join(map(str, allowed))}, not {item!r}",
                     path + (key, f"[{index}]"),
-                    suggestion=closest(str(item), tuple(map(str, allowed))),
+                    suggestion=closest(item, tuple(map(str, allowed))),  # words only: 96 -> 64 helps nobody
                 )
         return tuple(dict.fromkeys(value))
 
