@@ -65,13 +65,7 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import cli_mask  # noqa: F401  (show, plan)
-
-    try:
-        from . import cli_build  # noqa: F401  (build, inspect, cache)
-    except ImportError as exc:  # pragma: no cover - only while cli_build is being written
-        if "cli_build" not in str(exc):
-            raise
+    from . import cli_build, cli_mask  # noqa: F401  (build, inspect, cache; show, plan)
 
 
 def main(argv: list[str] | None = None) -> None:
