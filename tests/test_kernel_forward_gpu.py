@@ -1,0 +1,206 @@
+"""The generated forward kernel against the float64 reference, on a GPU (skipped without one).
+
+Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the
+module's raw-pointer `forward`, and compares out and lse with `attention_reference` in float64. The
+error bound is twice what torch's SDPA with the dense boolean mask gets against the same reference
+(same bf16/fp16 inputs), plus a small floor. Outputs are poisoned with NaN first, so a row the
+kernel forgets to write fails.
+
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_kernel_forward_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import omnigen
+from omnigen import cache
+from omnigen.build import visible_gpu_arch
+from omnigen.codegen import KernelConfig, default_tile
+from omnigen.reference import attention_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+TRANSFUSION = omnigen.Rules(
+    name="gpu_transfusion",
+    modalities={"text": {"self": "causal"}, "image": {"self": "full"}},
+    see={"default": "earlier"},
+)
+# Windows, a see override in each direction, shared documents: the other branches of the predicate.
+MIXED = omnigen.Rules(
+    name="gpu_mixed",
+    modalities={"text": {"self": "causal", "window": 96}, "image": {"self": "full"}, "audio": {"self": "full", "window": 40}},
+    see={"default": "earlier", "image -> image": "none", "text -> audio": "all"},
+    documents="shared",
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (name, rules, layouts as strings, heads_q, heads_kv)
+CASES = [
+    ("one_token", TRANSFUSION, ["text:1"], 2, 2),
+    ("s17", TRANSFUSION, ["text:5 image:12"], 2, 1),
+    ("pad_and_docs", TRANSFUSION, ["text:30 pad:20 image:50 text:28@1 image:72@1 pad:8@1"], 4, 2),
+    ("misaligned_images_1000", TRANSFUSION,
+     ["text:37 image:256 text:101 image:256 text:50 image:300", "text:500 image:300@1 text:200@1"], 4, 1),
+    ("all_pad_rows", TRANSFUSION, ["pad:150 text:50"], 1, 1),
+    ("mixed_windows", MIXED, ["text:300 audio:170 image:130 text:77 image:64 audio:59"], 2, 2),
+]
+
+
+def _module(rules: omnigen.Rules, head_dim: int, dtype: str):
+    arch = visible_gpu_arch()
+    assert arch is not None, "this GPU's arch is not one omnigen builds for"
+    return cache.get_module(rules, KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=default_tile(head_dim)))
+
+
+def _prebuild(variants: list[tuple[omnigen.Rules, int, str]]) -> None:
+    """Compile every variant the tests need as one parallel ninja graph."""
+    arch = visible_gpu_arch()
+    built = [cache.variant(r, KernelConfig(head_dim=d, dtype=t, arch=arch, tile=default_tile(d))) for r, d, t in variants]
+    cache.build_variants(built)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_variants():
+    needed = {(TRANSFUSION, 64, "bf16"), (TRANSFUSION, 128, "bf16"), (TRANSFUSION, 128, "fp16"),
+              (MIXED, 128, "bf16"), (TRANSFUSION, 256, "bf16")}
+    _prebuild(sorted(needed, key=lambda x: (x[0].name, x[1], x[2])))
+
+
+def run_forward(module, rules, layout, q, k, v, scale=None):
+    """Call the raw-pointer ABI exactly as ops.py will."""
+    B, Hq, S, D = q.shape
+    plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    tables = plan.tables
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hq, S), float("nan"), device=q.device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    fwd_ptr, fwd_kv = plan.fwd_ptr.contiguous(), plan.fwd_kv.contiguous()
+    if fwd_kv.numel() == 0:  # a null pointer is refused; an unused one-element buffer is not
+        fwd_kv = torch.zeros(1, dtype=torch.int32, device=q.device)
+    segment, modality, document = (t.contiguous() for t in (tables.token_segment, tables.token_modality, tables.token_doc))
+    module.forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        B, Hq, k.shape[1], S, scale,
+        fwd_ptr.data_ptr(), fwd_kv.data_ptr(), segment.data_ptr(), modality.data_ptr(), document.data_ptr(),
+        torch.cuda.current_stream().cuda_stream,
+    )
+    torch.cuda.synchronize()
+    return o, lse
+
+
+def _inputs(B, Hq, Hkv, S, D, dtype, strided):
+    generator = torch.Generator(device="cuda").manual_seed(1234 + S + D)
+    def make(H):
+        if strided:  # [B, S, H, D] storage seen as [B, H, S, D]: SDPA's usual non-contiguous layout
+            return torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=generator).transpose(1, 2)
+        return torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=generator)
+    return make(Hq), make(Hkv), make(Hkv)
+
+
+def _sdpa_error(q, k, v, mask, ref_out) -> float:
+    """Max abs error of torch's SDPA (same low-precision inputs, dense mask) on rows that have a key."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    dense = (mask if mask.dim() == 3 else mask[None])[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=dense)
+    has_key = dense.any(-1, keepdim=True).expand_as(ref_out)
+    return float((out.double() - ref_out).abs()[has_key].max()) if has_key.any() else 0.0
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_matches_reference(case, head_dim, dtype):
+    name, rules, layout_texts, Hq, Hkv = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules are built for one variant only")
+    module = _module(rules, head_dim, dtype)
+    layouts = [omnigen.Layout.parse(t) for t in layout_texts]
+    layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
+    B, S = len(layouts), layouts[0].seq_len
+    q, k, v = _inputs(B, Hq, Hkv, S, head_dim, DTYPES[dtype], strided=(name == "pad_and_docs"))
+    out, lse = run_forward(module, rules, layout, q, k, v)
+
+    mask = rules.dense_mask(layout, device="cuda")
+    mask3 = mask if mask.dim() == 3 else mask[None]
+    ref_out, ref_lse = attention_reference(q, k, v, mask3)
+    assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
+    assert not torch.isnan(lse).any(), "the kernel left NaN in lse"
+
+    empty_rows = ~mask3.any(-1)[:, None, :].expand(B, Hq, S)
+    assert (out[empty_rows.unsqueeze(-1).expand_as(out)] == 0).all(), "rows with no key must be zeros"
+    assert torch.isneginf(lse[empty_rows]).all(), "rows with no key must have lse = -inf"
+
+    error = float((out.double() - ref_out).abs().max())
+    sdpa = _sdpa_error(q, k, v, mask3, ref_out)
+    floor = 2e-3 if dtype == "bf16" else 5e-4
+    print(f"{name} d{head_dim} {dtype}: max |out - ref| = {error:.2e}, SDPA dense-mask = {sdpa:.2e}")
+    assert error <= 2 * sdpa + floor, f"out error {error:.3e} > 2 x SDPA's {sdpa:.3e} + {floor}"
+
+    finite = ~empty_rows
+    lse_error = float((lse.double() - ref_lse)[finite].abs().max()) if finite.any() else 0.0
+    assert lse_error <= 1e-3, f"lse error {lse_error:.3e}"
+
+
+def test_forward_rejects_bad_arguments():
+    module = _module(TRANSFUSION, 128, "bf16")
+    q, k, v = _inputs(1, 2, 2, 64, 128, torch.bfloat16, strided=False)
+    layout = omnigen.Layout.parse("text:64")
+    with pytest.raises(ValueError, match="multiple of heads_kv"):
+        plan = omnigen.plan(TRANSFUSION, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+        module.forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr(), q.data_ptr(), *([0] * 12), 1, 3, 2, 64,
+                       0.1, plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(), *([plan.fwd_ptr.data_ptr()] * 3), 0)
+    with pytest.raises(ValueError, match="aligned"):
+        module.forward(q.data_ptr() + 2, k.data_ptr(), v.data_ptr(), q.data_ptr(), q.data_ptr(), *([0] * 12), 1, 2, 2,
+                       64, 0.1, *([q.data_ptr()] * 5), 0)
+    module.device_check()  # a GPU is here: no error
+
+
+def test_forward_speed_report():
+    """Not a benchmark (benchmarks/ has those): one rough figure per run, printed."""
+    module = _module(TRANSFUSION, 128, "bf16")
+    segments = []
+    while sum(n for _, n in segments) < 8192 - 512:
+        segments += [("text", 200), ("image", 256)]
+    total = sum(n for _, n in segments)
+    segments.append(("text", 8192 - total))
+    layout = omnigen.Layout.from_segments(segments)
+    B, H, S, D = 4, 16, 8192, 128
+    q, k, v = _inputs(B, H, H, S, D, torch.bfloat16, strided=False)
+    batch = omnigen.Layout.batch([layout] * B)
+    plan = omnigen.plan(TRANSFUSION, batch, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
+    t = plan.tables
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *o.stride()[:3], B, H, H, S, 1 / math.sqrt(D), plan.fwd_ptr.data_ptr(),
+            plan.fwd_kv.data_ptr(), t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
+            torch.cuda.current_stream().cuda_stream)
+
+    def timed(fn, repeats=20):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2] / 1e3
+
+    ours = timed(lambda: module.forward(*args))
+    causal = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    flops = 4 * D * plan.allowed_pairs * H
+    print(f"transfusion S=8192 B=4 H=16 D=128: omnigen {ours * 1e3:.2f} ms ({flops / ours / 1e12:.0f} TFLOP/s effective, "
+          f"density {plan.density:.2f}); SDPA causal {causal * 1e3:.2f} ms "
+          f"({4 * D * B * H * S * (S + 1) / 2 / causal / 1e12:.0f} TFLOP/s)")
