@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 from .codegen import DEFAULT_ARCHS, INCLUDE_DIR, KernelConfig, source_names
 from .rules import ARCHS
 
+FALLBACK_NVCC = (Path("/usr/local/cuda/bin/nvcc"),)
 MIN_NVCC = (12, 0)  # sm_90a needs 12.0; cp.async, bf16 mma need 11+
 COMPUTE_CAPABILITY_ARCH = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a"}
 
@@ -112,7 +113,7 @@ def find_nvcc() -> tuple[Path, Path]:
     if on_path:
         real = Path(os.path.realpath(on_path))
         return _cuda_home_of_nvcc(real), real
-    for fallback in (Path("/usr/local/cuda/bin/nvcc"),):
+    for fallback in FALLBACK_NVCC:
         looked.append(str(fallback))
         if fallback.is_file():
             real = Path(os.path.realpath(fallback))

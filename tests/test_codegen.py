@@ -1,0 +1,215 @@
+"""Code generation: golden sources, canonical naming and hashing, readable output, invalid variants. No compiler."""
+
+from __future__ import annotations
+
+import keyword
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import jinja2
+import pytest
+
+import omnigen
+from omnigen import cache, codegen
+from omnigen.codegen import KernelConfig, TileConfig
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = KernelConfig(head_dim=128, dtype="bf16", arch="sm_80")
+
+TRANSFUSION_A = """
+name: transfusion
+modalities:
+  text:  {self: causal}
+  image: {self: full}
+see:
+  default: earlier
+documents: isolated
+"""
+# The same rules written differently: other order, shorthand, defaults spelled out, a see entry equal to the default.
+TRANSFUSION_B = """
+documents: isolated
+see: {image -> text: earlier}
+modalities:
+  image: {self: full, window: 0}
+  text: causal
+name: transfusion
+"""
+
+
+def test_generated_sources_are_current():
+    """generated/ is exactly what the templates render now. Fix: python -m omnigen.codegen --regenerate"""
+    expected = codegen.generated_tree()
+    assert expected, "examples/rules/ produced nothing"
+    on_disk = {p.relative_to(codegen.GENERATED_DIR).as_posix(): p.read_text()
+               for p in codegen.GENERATED_DIR.rglob("*") if p.is_file()}
+    stale = sorted(set(on_disk) - set(expected))
+    missing = sorted(set(expected) - set(on_disk))
+    changed = sorted(name for name in set(expected) & set(on_disk) if expected[name] != on_disk[name])
+    assert not (stale or missing or changed), (
+        f"generated/ is out of date (changed: {changed[:5]}, missing: {missing[:5]}, stale: {stale[:5]}); "
+        "run: python -m omnigen.codegen --regenerate"
+    )
+
+
+def test_check_command_passes():
+    result = subprocess.run([sys.executable, "-m", "omnigen.codegen", "--check"], cwd=REPO, capture_output=True,
+                            text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_same_rules_written_differently_render_the_same():
+    a = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    b = omnigen.Rules.from_yaml(TRANSFUSION_B)
+    assert codegen.module_name(a, CONFIG) == codegen.module_name(b, CONFIG)
+    assert codegen.render(a, CONFIG) == codegen.render(b, CONFIG)
+    python_built = omnigen.Rules(name="transfusion", modalities={"image": "full", "text": "causal"})
+    assert codegen.render(python_built, CONFIG) == codegen.render(a, CONFIG)
+
+
+def test_module_name_is_readable_and_an_identifier():
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    name = codegen.module_name(rules, CONFIG)
+    assert re.fullmatch(r"transfusion_bf16_d128_m128n64w4s2_sm_80_[0-9a-f]{8}", name)
+    digits = omnigen.Rules(name="3d", modalities={"text": "causal"})
+    name = codegen.module_name(digits, CONFIG)
+    assert name.isidentifier() and not keyword.iskeyword(name)
+
+
+def test_everything_that_shapes_the_binary_changes_the_module_or_the_key(monkeypatch):
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    base_name = codegen.module_name(rules, CONFIG)
+    sources = codegen.render(rules, CONFIG)
+    headers = codegen.header_files()
+    flags = {"nvcc": ["-O3"], "cxx": ["-O1"], "link": []}
+    toolchain = {"nvcc": "13.0.88"}
+    key = cache.cache_key(sources, headers, flags, toolchain, "sm_80")
+    assert cache.cache_key(sources, headers, flags, toolchain, "sm_80") == key
+
+    changed_headers = dict(headers, **{"omnigen/mma.cuh": headers["omnigen/mma.cuh"] + "\n// edit"})
+    assert cache.cache_key(sources, changed_headers, flags, toolchain, "sm_80") != key
+    assert cache.cache_key(sources, headers, {**flags, "nvcc": ["-O2"]}, toolchain, "sm_80") != key
+    assert cache.cache_key(sources, headers, flags, {"nvcc": "13.1.0"}, "sm_80") != key
+    assert cache.cache_key(sources, headers, flags, toolchain, "sm_90a") != key
+    edited = dict(sources)
+    first = next(iter(edited))
+    edited[first] += "\n"
+    assert cache.cache_key(edited, headers, flags, toolchain, "sm_80") != key
+
+    # A template edit renames the module (so its sources and key change too).
+    original = codegen.template_files()
+    edited_templates = tuple((n, d + b"\n// edit" if n == "forward.cu.j2" else d) for n, d in original)
+    monkeypatch.setattr(codegen, "template_files", lambda: edited_templates)
+    assert codegen.module_name(rules, CONFIG) != base_name
+    monkeypatch.undo()
+    assert codegen.module_name(rules, CONFIG) == base_name
+
+    other_arch = KernelConfig(head_dim=128, dtype="bf16", arch="sm_90a")
+    assert codegen.module_name(rules, other_arch) != base_name
+    assert "code=sm_90a" in " ".join(__import__("omnigen.build", fromlist=["x"]).nvcc_flags(other_arch))
+
+
+def test_emitted_code_reads_like_the_rules():
+    rules = omnigen.Rules(
+        name="demo",
+        modalities={"text": {"self": "causal", "window": 128}, "image": "full", "image_patch": "full"},
+        see={"default": "earlier", "image -> image": "none", "text -> image_patch": "all"},
+    )
+    files = codegen.render(rules, CONFIG)
+    mask = files["demo_mask.cuh"]
+    for word in ("kText = 2", "kImage = 0", "kImagePatch = 1", "kPad = 3", "constexpr See kSee", "kWindow",
+                 "SelfPolicy::kCausal,  // text", "constexpr bool kIsolatedDocuments = true",
+                 "sliding window of the query's modality"):
+        assert word in mask, word
+    assert "/* image       -> */ { See::kNone" in mask
+    kernel = files["demo_bf16_d128_m128n64w4s2_sm_80.cu"]
+    for comment in ("// Full path: no mask work.", "// Causal path: one compare per score.",
+                    "// Partial path: the generated predicate.", "mma.sync" if False else "Mma::run"):
+        assert comment in kernel, comment
+    assert "#define" not in kernel and "#define" not in mask  # no macro soup
+    no_window = codegen.render(omnigen.Rules(name="plain", modalities={"text": "causal"}, documents="shared"), CONFIG)
+    assert "sliding window of the query" not in no_window["plain_mask.cuh"]
+    assert "documents: shared" in no_window["plain_mask.cuh"]
+
+
+def test_header_names_the_rules_and_config():
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    for name, text in codegen.render(rules, CONFIG).items():
+        head = text[:2000]
+        assert "Generated by omnigen" in head and rules.content_hash() in head, name
+        assert "//     text: {self: causal}" in head, name
+        if not name.endswith("_mask.cuh"):
+            assert "config: head_dim=128 dtype=bf16 arch=sm_80 block_m=128 block_n=64 warps=4 stages=2" in head
+
+
+def test_binding_carries_metadata():
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    binding = codegen.render(rules, CONFIG)["transfusion_bf16_d128_m128n64w4s2_sm_80_binding.cpp"]
+    for attribute in ("MODULE_NAME", "RULES_NAME", "RULES_HASH", "MASK_HASH", "RULES_YAML", "CONFIG", "OMNIGEN_VERSION",
+                      "HEAD_DIM", "BLOCK_M", "BLOCK_N", "MODALITIES", "PAD_ID"):
+        assert f'm.attr("{attribute}")' in binding
+    assert rules.content_hash() in binding and rules.mask_hash() in binding
+    includes = re.findall(r"#include [<\"](.+)[>\"]", binding)
+    assert not [i for i in includes if i.startswith(("torch", "ATen", "c10", "cuda"))], includes
+
+
+def test_strict_undefined():
+    env = codegen._environment()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError):
+        env.get_template("binding.cpp.j2").render({})
+
+
+def test_targets_follow_the_kernel_section():
+    rules = omnigen.Rules.load(REPO / "examples" / "rules" / "transfusion.yaml")
+    configs = codegen.targets(rules)
+    assert {c.arch for c in configs} == set(codegen.DEFAULT_ARCHS)
+    assert codegen.targets(rules, ["sm_90a"])[0].arch == "sm_90a"
+    plain = omnigen.Rules(name="plain", modalities={"text": "causal"})
+    assert [c.label for c in codegen.targets(plain, ["sm_80"])] == ["bf16_d64_m128n64w4s2_sm_80", "bf16_d128_m128n64w4s2_sm_80"]
+
+
+@pytest.mark.parametrize("config,message", [
+    (KernelConfig(256, "bf16", "sm_80", TileConfig(128, 64, 4, 2)), "fp32 output"),
+    (KernelConfig(128, "bf16", "sm_80", TileConfig(128, 128, 8, 2)), "shared memory"),
+    (KernelConfig(128, "bf16", "sm_80", TileConfig(48, 64, 4, 2)), "multiple of 16 x warps"),
+    (KernelConfig(96, "bf16", "sm_80"), "head_dim"),
+    (KernelConfig(64, "fp8", "sm_80"), "dtype"),
+])
+def test_unbuildable_variants_say_why(config, message):
+    with pytest.raises(ValueError, match=message):
+        codegen.render(omnigen.Rules(name="x", modalities={"text": "causal"}), config)
+
+
+def test_default_tiles_fit():
+    for head_dim in (64, 128, 256):
+        for arch in ("sm_80", "sm_86", "sm_90a"):
+            assert not KernelConfig(head_dim, "bf16", arch, codegen.default_tile(head_dim)).problems()
+
+
+def test_templates_found_from_the_package():
+    assert (codegen.TEMPLATE_DIR / "forward.cu.j2").is_file()
+    assert codegen.TEMPLATE_DIR.parent == Path(omnigen.__file__).resolve().parent
+    assert set(codegen.header_files()) >= {"omnigen/mma.cuh", "omnigen/ldmatrix.cuh", "omnigen/cp_async.cuh",
+                                           "omnigen/forward_args.h"}
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_templates(tmp_path):
+    # Build from a copy: setuptools writes build/ and *.egg-info next to pyproject.toml.
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "omnigen", source / "omnigen", ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                             "-w", str(tmp_path / "dist"), "-q"], capture_output=True, text=True, cwd=tmp_path)
+    if result.returncode != 0:
+        pytest.skip(f"pip wheel did not run here: {result.stderr[-300:]}")
+    wheel = next((tmp_path / "dist").glob("omnigen-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for template in codegen.template_files():
+        assert f"omnigen/templates/{template[0]}" in names
