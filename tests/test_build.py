@@ -1,0 +1,243 @@
+"""Toolchain discovery, arch flags, error messages, and (with nvcc) real builds for sm_80 and sm_90a.
+
+Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles two variants once
+(one sm_80, one sm_90a, in one parallel ninja run) into a private cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import omnigen
+from omnigen import build, cache
+from omnigen.cli import cli
+from omnigen.cli import _register as register_commands
+from omnigen.codegen import KernelConfig, TileConfig
+
+register_commands()
+REPO = Path(__file__).resolve().parent.parent
+HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
+
+RULES = omnigen.Rules(name="buildtest", modalities={"text": "causal", "image": "full"})
+# A small tile: the fastest compile that still exercises every code path.
+SMALL_TILE = TileConfig(block_m=64, block_n=64, warps=4, stages=2)
+SM80 = KernelConfig(head_dim=64, dtype="bf16", arch="sm_80", tile=SMALL_TILE)
+SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=SMALL_TILE)
+
+
+# ------------------------------------------------------------------------------------------------
+# no compiler needed
+
+
+@pytest.mark.parametrize("text,arch", [("sm_80", "sm_80"), ("90a", "sm_90a"), ("9.0a", "sm_90a"),
+                                       ("compute_86", "sm_86"), ("SM_89", "sm_89")])
+def test_arch_spellings(text, arch):
+    assert build.check_arch(text) == arch
+
+
+def test_unsupported_arch_names_the_fix():
+    with pytest.raises(build.ToolchainError, match="sm_80 or newer.*--arch"):
+        build.check_arch("sm_70")
+    with pytest.raises(build.ToolchainError, match="write it like sm_80"):
+        build.check_arch("hopper")
+
+
+def test_gencode_flags():
+    assert build.gencode_flag("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
+    assert build.gencode_flag("sm_80") == "-gencode=arch=compute_80,code=sm_80"
+
+
+def test_default_archs(monkeypatch):
+    monkeypatch.setattr(build, "visible_gpu_arch", lambda: None)
+    monkeypatch.delenv("OMNIGEN_ARCH_LIST", raising=False)
+    assert build.default_archs() == ("sm_80", "sm_90a")
+    monkeypatch.setenv("OMNIGEN_ARCH_LIST", "8.0;9.0a, sm_86")
+    assert build.default_archs() == ("sm_80", "sm_90a", "sm_86")
+    monkeypatch.setattr(build, "visible_gpu_arch", lambda: "sm_90a")
+    assert build.default_archs() == ("sm_90a",)
+
+
+def test_missing_nvcc_names_the_fix(monkeypatch):
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build, "FALLBACK_NVCC", (Path("/nonexistent/bin/nvcc"),))
+    with pytest.raises(build.ToolchainError, match="CUDA_HOME"):
+        build.find_nvcc()
+
+
+def test_bad_cuda_home_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    with pytest.raises(build.ToolchainError, match=r"CUDA_HOME is set to .* not an executable nvcc"):
+        build.find_nvcc()
+
+
+def test_cli_build_without_nvcc(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    build.find_toolchain.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["build", "--rules", str(REPO / "examples/rules/transfusion.yaml"), "--arch", "sm_80"])
+    finally:
+        build.find_toolchain.cache_clear()
+    assert result.exit_code == 2
+    assert "CUDA_HOME" in result.output and "Traceback" not in result.output
+
+
+def test_cli_build_unsupported_arch(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path))
+    result = CliRunner().invoke(cli, ["build", "--rules", str(REPO / "examples/rules/transfusion.yaml"), "--arch", "sm_75"])
+    assert result.exit_code == 2 and "sm_75 is not supported" in result.output
+
+
+def test_ninja_files(tmp_path):
+    toolchain = build.Toolchain(
+        cuda_home=Path("/cuda"), nvcc=Path("/cuda/bin/nvcc"), nvcc_version="13.0.88", cxx="c++", cxx_version="g++ 12",
+        ninja="ninja", python_include="/py/include", pybind11_include="/pb/include", pybind11_version="3.0",
+        ext_suffix=".so",
+    )
+    text = build.module_ninja(tmp_path, "mod_abc", "rules", SM90A, toolchain, "stem")
+    assert "-gencode=arch=compute_90a,code=sm_90a" in text
+    assert "-cudart=static" in text and "-Xptxas=-v" in text
+    assert "torch" not in text
+    top = build.top_ninja([tmp_path / "a" / "build.ninja", tmp_path / "b" / "build.ninja"])
+    assert top.count("subninja ") == 2
+
+
+def test_ptxas_report():
+    log = """ptxas info    : Function properties for _ZN3foo
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 232 registers, used 1 barriers"""
+    assert build.ptxas_report(log) == {"stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0,
+                                       "registers": 232, "static_shared_bytes": 0}
+
+
+def test_max_jobs(monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "3")
+    assert build.max_jobs() == 3
+    monkeypatch.setenv("MAX_JOBS", "lots")
+    with pytest.raises(build.ToolchainError, match="MAX_JOBS"):
+        build.max_jobs()
+
+
+# ------------------------------------------------------------------------------------------------
+# with nvcc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One sm_80 and one sm_90a variant, compiled together; yields the cache dir."""
+    directory = tmp_path_factory.mktemp("omnigen-cache")
+    previous = os.environ.get("OMNIGEN_CACHE_DIR")
+    os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
+    try:
+        variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A)]
+        results = cache.build_variants(variants)
+        yield directory, results
+    finally:
+        if previous is None:
+            os.environ.pop("OMNIGEN_CACHE_DIR", None)
+        else:
+            os.environ["OMNIGEN_CACHE_DIR"] = previous
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_build_sm80_and_sm90a_and_read_metadata(built):
+    directory, results = built
+    assert [r.built for r in results] == [True, True]
+    for result, config in zip(results, (SM80, SM90A)):
+        assert result.meta["ptxas"]["spill_store_bytes"] == 0, result.meta["ptxas"]
+        assert result.meta["ptxas"]["stack_bytes"] == 0
+        module = cache.get_module(RULES, config)
+        assert module.MODULE_NAME == result.variant.module
+        assert module.RULES_NAME == "buildtest"
+        assert module.RULES_HASH == RULES.content_hash()
+        assert module.MASK_HASH == RULES.mask_hash()
+        assert omnigen.Rules.from_yaml(module.RULES_YAML) == RULES
+        assert module.CONFIG == config.as_dict()
+        assert (module.HEAD_DIM, module.BLOCK_M, module.BLOCK_N, module.DTYPE) == (64, 64, 64, "bf16")
+        assert module.MODALITIES == ("image", "text", "pad") and module.PAD_ID == 2
+        assert module.OMNIGEN_VERSION == omnigen.__version__
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_calling_without_a_gpu_raises_clearly(built):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    module = cache.get_module(RULES, SM80)
+    with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
+        module.device_check()
+    with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
+        module.forward(*([16] * 5), *([8] * 12), 1, 2, 1, 100, 0.125, *([16] * 5), 0)
+    with pytest.raises(ValueError, match="multiple of heads_kv"):
+        module.forward(*([16] * 5), *([8] * 12), 1, 3, 2, 100, 0.125, *([16] * 5), 0)
+    with pytest.raises(ValueError, match="null pointer"):
+        module.forward(0, *([16] * 4), *([8] * 12), 1, 2, 1, 100, 0.125, *([16] * 5), 0)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_compiler_error_shows_everything(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path))
+    broken = cache.variant(RULES, SM80)
+    kernel = next(name for name in broken.sources if name.endswith(".cu"))
+    broken.sources[kernel] = broken.sources[kernel].replace("namespace omnigen_rules", "#error planted_failure\nnamespace omnigen_rules", 1)
+    with pytest.raises(build.BuildError) as caught:
+        cache.build_variants([broken])
+    assert "planted_failure" in str(caught.value) and "Fix:" in str(caught.value)
+    assert not list((tmp_path / "modules").glob("*")) if (tmp_path / "modules").exists() else True
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_cli_on_a_built_cache(built, tmp_path):
+    directory, _ = built
+    rules_file = tmp_path / "buildtest.yaml"
+    rules_file.write_text(RULES.to_yaml() + "kernel:\n  head_dims: [64]\n  tiles: [{block_m: 64, block_n: 64, warps: 4, stages: 2}]\n")
+    runner = CliRunner()
+    env = {"OMNIGEN_CACHE_DIR": str(directory)}
+    # The kernel: section changes the rules' content hash, so these are new modules: --out only, no compile here.
+    result = runner.invoke(cli, ["inspect", "--rules", str(rules_file), "--arch", "sm_80"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" in result.output
+    listed = runner.invoke(cli, ["cache", "list"], env=env)
+    assert listed.exit_code == 0 and "buildtest" in listed.output and "2 module(s)" in listed.output
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_cli_build_cached_tune_and_clear(built, tmp_path):
+    directory, _ = built
+    rules_file = tmp_path / "buildtest.yaml"
+    rules_file.write_text(RULES.to_yaml())
+    runner = CliRunner()
+    env = {"OMNIGEN_CACHE_DIR": str(directory)}
+    # Same rules, no kernel: section, --arch sm_80: the default tile, which is not built yet -> skip
+    # the compile by pointing the CLI only at what exists: inspect shows the built module path.
+    out = tmp_path / "out"
+    import omnigen.cli_build as cli_build
+
+    original = cli_build.codegen.targets
+    try:
+        cli_build.codegen.targets = lambda rules, archs=None: [SM80]
+        result = runner.invoke(cli, ["build", "--rules", str(rules_file), "--arch", "sm_80", "--tune", "--out", str(out)], env=env)
+        inspected = runner.invoke(cli, ["inspect", "--rules", str(rules_file), "--arch", "sm_80"], env=env)
+    finally:
+        cli_build.codegen.targets = original
+    assert result.exit_code == 0, result.output
+    assert "cached" in result.output and "0 built, 1 from the cache" in result.output
+    assert "tuning skipped" in result.output
+    assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
+    assert inspected.exit_code == 0 and "built:" in inspected.output and "0 B spill" in inspected.output
+    cleared = runner.invoke(cli, ["cache", "clear"], env=env)
+    assert cleared.exit_code == 0 and "removed 2 module(s)" in cleared.output
+    assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")
