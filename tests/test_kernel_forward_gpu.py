@@ -83,8 +83,6 @@ def run_forward(module, rules, layout, q, k, v, scale=None):
     lse = torch.full((B, Hq, S), float("nan"), device=q.device, dtype=torch.float32)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     fwd_ptr, fwd_kv = plan.fwd_ptr.contiguous(), plan.fwd_kv.contiguous()
-    if fwd_kv.numel() == 0:  # a null pointer is refused; an unused one-element buffer is not
-        fwd_kv = torch.zeros(1, dtype=torch.int32, device=q.device)
     segment, modality, document = (t.contiguous() for t in (tables.token_segment, tables.token_modality, tables.token_doc))
     module.forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
