@@ -241,7 +241,7 @@ def _install(v: Variant, build_dir: Path, seconds: float) -> dict:
         "extension_bytes": extension.stat().st_size,
         "extension_sha256": _sha256(extension),
         "rules_name": v.rules.name,
-        "rules_hash": v.rules.content_hash(),
+        "rules_hash": v.rules.without_kernel().content_hash(),
         "mask_hash": v.rules.mask_hash(),
         "config": v.config.as_dict(),
         "sources": sorted(v.sources),

@@ -197,6 +197,7 @@ def variant_stem(rules: Rules, config: KernelConfig) -> str:
 
 
 def module_hash(rules: Rules, config: KernelConfig, length: int = 8) -> str:
+    rules = rules.without_kernel()
     payload = json.dumps(
         {"rules": rules.to_dict(), "config": config.as_dict(), "templates": template_digest(), "omnigen": __version__},
         sort_keys=True,
@@ -270,6 +271,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     config.check()
+    rules = rules.without_kernel()  # the `kernel:` section picks variants; it is not part of one
     if len(rules.modalities) > MAX_MODALITIES:
         raise ValueError(f"rules '{rules.name}' declare {len(rules.modalities)} modalities; kernels support at most {MAX_MODALITIES}")
     module = module_name(rules, config)

@@ -292,6 +292,17 @@ class Rules:
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:length]
 
+    def without_kernel(self) -> "Rules":
+        """These rules minus the `kernel:` section: what a compiled variant depends on.
+
+        The kernel section only says which variants to build and tune, so editing it must not
+        rename or rebuild the variants that stay.
+        """
+        if self.kernel is None:
+            return self
+        stripped = Rules.from_dict({k: v for k, v in self.to_dict().items() if k != "kernel"}, source=self.source)
+        return stripped
+
     def mask_hash(self, length: int = 16) -> str:
         """Hash of what decides the mask only (no `kernel:` section, no name)."""
         cached = self.__dict__.get("_mask_hash")
