@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Callable, Iterator
 
 from . import __version__
-from .build import (
+from .toolchain import (
     BuildError, Toolchain, find_toolchain, flags_fingerprint, kernel_log, module_ninja, ptxas_report, run_ninja,
     top_ninja,
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from . import cache, codegen
-from .build import BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, visible_gpu_arch
+from .toolchain import BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, visible_gpu_arch
 from .cli import UserError, cli, user_errors
 from .codegen import KernelConfig
 from .rules import Rules

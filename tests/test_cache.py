@@ -20,7 +20,7 @@ import omnigen
 from omnigen import cache
 from omnigen.codegen import KernelConfig, TileConfig
 
-from test_build import HAS_NVCC
+from test_toolchain import HAS_NVCC
 
 REPO = Path(__file__).resolve().parent.parent
 needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")

@@ -109,7 +109,7 @@ def test_everything_that_shapes_the_binary_changes_the_module_or_the_key(monkeyp
 
     other_arch = KernelConfig(head_dim=128, dtype="bf16", arch="sm_90a")
     assert codegen.module_name(rules, other_arch) != base_name
-    assert "code=sm_90a" in " ".join(__import__("omnigen.build", fromlist=["x"]).nvcc_flags(other_arch))
+    assert "code=sm_90a" in " ".join(__import__("omnigen.toolchain", fromlist=["x"]).nvcc_flags(other_arch))
 
 
 def test_emitted_code_reads_like_the_rules():

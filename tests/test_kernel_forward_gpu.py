@@ -18,7 +18,7 @@ import torch
 
 import omnigen
 from omnigen import cache
-from omnigen.build import visible_gpu_arch
+from omnigen.toolchain import visible_gpu_arch
 from omnigen.codegen import KernelConfig, default_tile
 from omnigen.reference import attention_reference
 

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 import omnigen
-from omnigen import build, cache
+from omnigen import cache
+from omnigen import toolchain as tools
 from omnigen.cli import cli
 from omnigen.cli import _register as register_commands
 from omnigen.codegen import KernelConfig, TileConfig
@@ -37,54 +38,54 @@ SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=SMALL_TILE)
 @pytest.mark.parametrize("text,arch", [("sm_80", "sm_80"), ("90a", "sm_90a"), ("9.0a", "sm_90a"),
                                        ("compute_86", "sm_86"), ("SM_89", "sm_89")])
 def test_arch_spellings(text, arch):
-    assert build.check_arch(text) == arch
+    assert tools.check_arch(text) == arch
 
 
 def test_unsupported_arch_names_the_fix():
-    with pytest.raises(build.ToolchainError, match="sm_80 or newer.*--arch"):
-        build.check_arch("sm_70")
-    with pytest.raises(build.ToolchainError, match="write it like sm_80"):
-        build.check_arch("hopper")
+    with pytest.raises(tools.ToolchainError, match="sm_80 or newer.*--arch"):
+        tools.check_arch("sm_70")
+    with pytest.raises(tools.ToolchainError, match="write it like sm_80"):
+        tools.check_arch("hopper")
 
 
 def test_gencode_flags():
-    assert build.gencode_flag("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
-    assert build.gencode_flag("sm_80") == "-gencode=arch=compute_80,code=sm_80"
+    assert tools.gencode_flag("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
+    assert tools.gencode_flag("sm_80") == "-gencode=arch=compute_80,code=sm_80"
 
 
 def test_default_archs(monkeypatch):
-    monkeypatch.setattr(build, "visible_gpu_arch", lambda: None)
+    monkeypatch.setattr(tools, "visible_gpu_arch", lambda: None)
     monkeypatch.delenv("OMNIGEN_ARCH_LIST", raising=False)
-    assert build.default_archs() == ("sm_80", "sm_90a")
+    assert tools.default_archs() == ("sm_80", "sm_90a")
     monkeypatch.setenv("OMNIGEN_ARCH_LIST", "8.0;9.0a, sm_86")
-    assert build.default_archs() == ("sm_80", "sm_90a", "sm_86")
-    monkeypatch.setattr(build, "visible_gpu_arch", lambda: "sm_90a")
-    assert build.default_archs() == ("sm_90a",)
+    assert tools.default_archs() == ("sm_80", "sm_90a", "sm_86")
+    monkeypatch.setattr(tools, "visible_gpu_arch", lambda: "sm_90a")
+    assert tools.default_archs() == ("sm_90a",)
 
 
 def test_missing_nvcc_names_the_fix(monkeypatch):
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(build.shutil, "which", lambda name: None)
-    monkeypatch.setattr(build, "FALLBACK_NVCC", (Path("/nonexistent/bin/nvcc"),))
-    with pytest.raises(build.ToolchainError, match="CUDA_HOME"):
-        build.find_nvcc()
+    monkeypatch.setattr(tools.shutil, "which", lambda name: None)
+    monkeypatch.setattr(tools, "FALLBACK_NVCC", (Path("/nonexistent/bin/nvcc"),))
+    with pytest.raises(tools.ToolchainError, match="CUDA_HOME"):
+        tools.find_nvcc()
 
 
 def test_bad_cuda_home_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    with pytest.raises(build.ToolchainError, match=r"CUDA_HOME is set to .* not an executable nvcc"):
-        build.find_nvcc()
+    with pytest.raises(tools.ToolchainError, match=r"CUDA_HOME is set to .* not an executable nvcc"):
+        tools.find_nvcc()
 
 
 def test_cli_build_without_nvcc(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
     monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path / "cache"))
-    build.find_toolchain.cache_clear()
+    tools.find_toolchain.cache_clear()
     try:
         result = CliRunner().invoke(cli, ["build", "--rules", str(REPO / "examples/rules/transfusion.yaml"), "--arch", "sm_80"])
     finally:
-        build.find_toolchain.cache_clear()
+        tools.find_toolchain.cache_clear()
     assert result.exit_code == 2
     assert "CUDA_HOME" in result.output and "Traceback" not in result.output
 
@@ -96,16 +97,16 @@ def test_cli_build_unsupported_arch(tmp_path, monkeypatch):
 
 
 def test_ninja_files(tmp_path):
-    toolchain = build.Toolchain(
+    toolchain = tools.Toolchain(
         cuda_home=Path("/cuda"), nvcc=Path("/cuda/bin/nvcc"), nvcc_version="13.0.88", cxx="c++", cxx_version="g++ 12",
         ninja="ninja", python_include="/py/include", pybind11_include="/pb/include", pybind11_version="3.0",
         ext_suffix=".so",
     )
-    text = build.module_ninja(tmp_path, "mod_abc", "rules", SM90A, toolchain, "stem")
+    text = tools.module_ninja(tmp_path, "mod_abc", "rules", SM90A, toolchain, "stem")
     assert "-gencode=arch=compute_90a,code=sm_90a" in text
     assert "-cudart=static" in text and "-Xptxas=-v" in text
     assert "torch" not in text
-    top = build.top_ninja([tmp_path / "a" / "build.ninja", tmp_path / "b" / "build.ninja"])
+    top = tools.top_ninja([tmp_path / "a" / "build.ninja", tmp_path / "b" / "build.ninja"])
     assert top.count("subninja ") == 2
 
 
@@ -113,16 +114,16 @@ def test_ptxas_report():
     log = """ptxas info    : Function properties for _ZN3foo
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 232 registers, used 1 barriers"""
-    assert build.ptxas_report(log) == {"stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0,
+    assert tools.ptxas_report(log) == {"stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0,
                                        "registers": 232, "static_shared_bytes": 0}
 
 
 def test_max_jobs(monkeypatch):
     monkeypatch.setenv("MAX_JOBS", "3")
-    assert build.max_jobs() == 3
+    assert tools.max_jobs() == 3
     monkeypatch.setenv("MAX_JOBS", "lots")
-    with pytest.raises(build.ToolchainError, match="MAX_JOBS"):
-        build.max_jobs()
+    with pytest.raises(tools.ToolchainError, match="MAX_JOBS"):
+        tools.max_jobs()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_compiler_error_shows_everything(tmp_path, monkeypatch):
     broken = cache.variant(RULES, SM80)
     kernel = next(name for name in broken.sources if name.endswith(".cu"))
     broken.sources[kernel] = broken.sources[kernel].replace("namespace omnigen_rules", "#error planted_failure\nnamespace omnigen_rules", 1)
-    with pytest.raises(build.BuildError) as caught:
+    with pytest.raises(tools.BuildError) as caught:
         cache.build_variants([broken])
     assert "planted_failure" in str(caught.value) and "Fix:" in str(caught.value)
     assert not list((tmp_path / "modules").glob("*")) if (tmp_path / "modules").exists() else True
@@ -205,10 +206,11 @@ def test_cli_on_a_built_cache(built, tmp_path):
     rules_file.write_text(RULES.to_yaml() + "kernel:\n  head_dims: [64]\n  tiles: [{block_m: 64, block_n: 64, warps: 4, stages: 2}]\n")
     runner = CliRunner()
     env = {"OMNIGEN_CACHE_DIR": str(directory)}
-    # The kernel: section changes the rules' content hash, so these are new modules: --out only, no compile here.
+    # The kernel: section only picks variants: the one it names is the module already built.
     result = runner.invoke(cli, ["inspect", "--rules", str(rules_file), "--arch", "sm_80"], env=env)
     assert result.exit_code == 0, result.output
-    assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" in result.output
+    assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
+    assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
     assert listed.exit_code == 0 and "buildtest" in listed.output and "2 module(s)" in listed.output
 
