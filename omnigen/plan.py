@@ -18,6 +18,13 @@ diagonal U (k > q). Summed per tile, those decide the kind exactly:
 
     empty   N == 0          full    N == tile area
     causal  U == 0 and N == number of (q, k) in the tile with k <= q          partial  otherwise
+
+Most visited tiles are *far* tiles: wholly before every piece of their q-tile row and inside
+every window. There each row sees a column iff its modality sees that column's modality, so the
+kind follows from per-kv-tile bit sets ("modalities that see every column", "... some column")
+and the row's set of modalities: a few operations per tile, no counting. Only the *near* tiles
+(touching a piece's own segment, a document edge or a window's edge) are counted as above, which
+keeps the work proportional to the tiles a kernel visits with a small constant.
 """
 
 from __future__ import annotations
