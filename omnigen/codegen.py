@@ -4,6 +4,8 @@ Every variant renders three files from the Jinja templates in ``omnigen/template
 
     <rules>_mask.cuh                     the rules as constants and the partial-tile predicate
     <rules>_<dtype>_d<D>_<tile>_<arch>.cu           the forward kernel and its launcher
+    <rules>_<dtype>_d<D>_<tile>_<arch>_backward.cu  the backward kernels (dK/dV, dQ, Delta) and their launcher;
+                                                    the forward file includes it (one nvcc run per variant)
     <rules>_<dtype>_d<D>_<tile>_<arch>_binding.cpp  the pybind11 module (no CUDA or torch headers)
 
 The Python module is called ``<rules>_<dtype>_d<D>_<tile>_<arch>_<hash>``, the hash covering the
@@ -97,6 +99,72 @@ class KernelConfig:
             "head_dim": self.head_dim, "dtype": self.dtype, "arch": self.arch,
             "block_m": t.block_m, "block_n": t.block_n, "warps": t.warps, "stages": t.stages,
         }
+
+    # ---- the backward (templates/backward.cu.j2). It plans with the forward's tile (one Plan serves
+    # both passes); its thread counts follow from the tile: 16 keys per warp in the dK/dV kernel,
+    # 16 query rows per warp in the deterministic dQ kernel.
+
+    BACKWARD_STEP_ROWS = 64  # query rows per pipeline step of the dK/dV kernel
+
+    @property
+    def backward_pass_rows(self) -> int:
+        """Queries per S^T / dP^T pass of the dK/dV kernel: 32, i.e. 2 x 16 fp32 scores per thread beside the
+        dK/dV accumulators (64-query passes spill at d64 and d128 alike)."""
+        return 32
+
+    @property
+    def backward_warps(self) -> int:
+        return self.tile.block_n // 16
+
+    @property
+    def dq_warps(self) -> int:
+        return self.tile.block_m // 16
+
+    @property
+    def backward_shared_bytes(self) -> int:
+        """sizeof(DkdvShared): K and V tiles, dS^T [block_n][64], 2 stages of (64 rows of Q and dO, their
+        lse, Delta and 3 int32 token tables), 3 int32 key tables."""
+        n, d, rows = self.tile.block_n, self.head_dim, self.BACKWARD_STEP_ROWS
+        stage = 2 * rows * d * 2 + 2 * 4 * rows + 12 * rows
+        return 2 * n * d * 2 + n * rows * 2 + 2 * stage + 12 * n
+
+    @property
+    def dq_shared_bytes(self) -> int:
+        """sizeof(DqShared): Q and dO tiles, 2 stages of (K, V tiles and 3 int32 key tables), 3 int32 query tables."""
+        m, n, d = self.tile.block_m, self.tile.block_n, self.head_dim
+        return 2 * m * d * 2 + 2 * (2 * n * d * 2 + 12 * n) + 12 * m
+
+    def backward_problems(self) -> list[str]:
+        """Why this variant's module has no backward (empty when it has one). The forward is unaffected."""
+        t = self.tile
+        out: list[str] = []
+        if self.head_dim > 128:
+            out.append(f"the backward holds dK and dV of 16 keys x head_dim in registers per warp: head_dim {self.head_dim} "
+                       "needs 256 fp32 registers per thread for them (at most 128 fit)")
+        if t.block_m % self.BACKWARD_STEP_ROWS:
+            out.append(f"the backward walks q-tiles {self.BACKWARD_STEP_ROWS} rows at a time: block_m ({t.block_m}) "
+                       f"must be a multiple of {self.BACKWARD_STEP_ROWS}")
+        warps = self.backward_warps
+        if t.block_n % 16 or not (warps % 4 == 0 or 4 % warps == 0) or warps > 32:
+            out.append(f"the backward gives each warp 16 keys: block_n ({t.block_n}) must be 16, 32 or a multiple of 64 up to 512")
+        if t.block_n > 64 and t.block_n % 64:
+            out.append(f"the deterministic dQ kernel scores 64 keys per step: block_n ({t.block_n}) must be <= 64 or a multiple of 64")
+        if self.dq_warps > 32:
+            out.append(f"the dQ kernel gives each warp 16 query rows: block_m ({t.block_m}) must be at most 512")
+        chunks = self.head_dim // 8
+        bwd_threads, dq_threads = 32 * warps, 32 * self.dq_warps
+        if warps and ((self.BACKWARD_STEP_ROWS * chunks) % bwd_threads or (t.block_n * chunks) % bwd_threads
+                      or bwd_threads % chunks):
+            out.append(f"the dK/dV kernel's {bwd_threads} threads cannot split the copies of {chunks} chunks per row evenly")
+        if (t.block_n * chunks) % dq_threads or (t.block_m * chunks) % dq_threads or dq_threads % chunks:
+            out.append(f"the dQ kernel's {dq_threads} threads cannot split the copies of {chunks} chunks per row evenly")
+        if not out:
+            limit = SHARED_MEMORY_LIMIT[self.arch]
+            needed = max(self.backward_shared_bytes, self.dq_shared_bytes)
+            if needed > limit:
+                out.append(f"the backward needs {needed} bytes of shared memory, {self.arch} allows {limit}: "
+                           "lower block_m or block_n")
+        return out
 
     def problems(self) -> list[str]:
         """Why this variant cannot be built (empty when it can)."""
@@ -213,7 +281,8 @@ def module_name(rules: Rules, config: KernelConfig) -> str:
 
 def source_names(rules: Rules, config: KernelConfig) -> dict[str, str]:
     stem = variant_stem(rules, config)
-    return {"mask": f"{rules.name}_mask.cuh", "kernel": f"{stem}.cu", "binding": f"{stem}_binding.cpp"}
+    return {"mask": f"{rules.name}_mask.cuh", "kernel": f"{stem}.cu", "backward": f"{stem}_backward.cu",
+            "binding": f"{stem}_binding.cpp"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,6 +370,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         "module_name": module,
         "namespace": module,
         "kernel_file": names["kernel"],
+        "backward_file": names["backward"],
         "mask_header": names["mask"],
         "modalities": modalities,
         "pad_id": rules.pad_id,
@@ -328,6 +398,22 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
             f"{config.tile.block_m // config.tile.warps} rows x {config.head_dim} outputs per warp (ptxas spills)."
         ),
     }
+    backward_problems = config.backward_problems()
+    context.update({
+        "backward_supported": not backward_problems,
+        "backward_problem": (
+            (f"this variant ({config.label}) has no backward kernel: " + "; ".join(backward_problems)).replace('"', "'")
+            if backward_problems else ""
+        ),
+        "step_rows": KernelConfig.BACKWARD_STEP_ROWS,
+        "pass_rows": config.backward_pass_rows,
+        "bwd_warps": config.backward_warps,
+        "bwd_threads": 32 * config.backward_warps,
+        "bwd_shared_bytes": config.backward_shared_bytes,
+        "dq_warps": config.dq_warps,
+        "dq_threads": 32 * config.dq_warps,
+        "dq_shared_bytes": config.dq_shared_bytes,
+    })
     context["raw_delimiter"] = _raw_delimiter(context["rules_yaml"])
     env = _environment()
     mask_context = dict(context, header=_header(rules, None, None), namespace=f"omnigen_rules_{rules.name}")
@@ -336,6 +422,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
     return {
         names["mask"]: env.get_template("mask.cuh.j2").render(mask_context),
         names["kernel"]: env.get_template("forward.cu.j2").render(kernel_context),
+        names["backward"]: env.get_template("backward.cu.j2").render(kernel_context),
         names["binding"]: env.get_template("binding.cpp.j2").render(dict(context, header=_header(rules, config, module))),
     }
 

@@ -1,0 +1,53 @@
+// omnigen: the backward kernels' arguments, shared by the generated binding (host C++, no CUDA headers)
+// and the generated backward kernel file. Pointers are device addresses; strides count elements.
+#pragma once
+#include <cstdint>
+
+namespace omnigen {
+
+struct BackwardArgs {
+  const void* q;    // [batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous
+  const void* k;    // [batch, heads_kv, seq_len, head_dim]
+  const void* v;    // [batch, heads_kv, seq_len, head_dim]
+  const void* d_o;  // upstream gradient of the output, [batch, heads_q, seq_len, head_dim]
+  const float* lse;    // the forward's log-sum-exp, [batch, heads_q, seq_len], float32, contiguous
+  const float* delta;  // rowsum(dO * O), [batch, heads_q, seq_len], float32, contiguous
+  float* dq_accum;     // dQ, [batch, heads_q, seq_len, head_dim], float32, contiguous (zeroed by the caller)
+  // dK and dV of every *query* head: [batch, heads_q, seq_len, head_dim]. The element type of q/k/v when
+  // heads_q == heads_kv (then they are the real dk/dv); float32 partials the caller sums over each group
+  // of heads_q / heads_kv query heads when they differ.
+  void* dk;
+  void* dv;
+  int64_t q_stride_b, q_stride_h, q_stride_s;
+  int64_t k_stride_b, k_stride_h, k_stride_s;
+  int64_t v_stride_b, v_stride_h, v_stride_s;
+  int64_t d_o_stride_b, d_o_stride_h, d_o_stride_s;
+  int64_t dk_stride_b, dk_stride_h, dk_stride_s;
+  int64_t dv_stride_b, dv_stride_h, dv_stride_s;
+  int batch, heads_q, heads_kv, seq_len;
+  float scale;                    // the forward's softmax scale
+  const int32_t* fwd_ptr;         // omnigen.Plan.fwd_ptr (read by the deterministic dQ kernel only)
+  const int32_t* fwd_kv;          // omnigen.Plan.fwd_kv
+  const int32_t* bwd_ptr;         // omnigen.Plan.bwd_ptr: [batch * num_kv_tiles * 3 + 1]
+  const int32_t* bwd_q;           // omnigen.Plan.bwd_q
+  const int32_t* token_segment;   // LayoutTables.token_segment [batch, seq_len]
+  const int32_t* token_modality;  // LayoutTables.token_modality [batch, seq_len]
+  const int32_t* token_doc;       // LayoutTables.token_doc [batch, seq_len]
+  int deterministic;  // 0: dQ by atomicAdd from the dK/dV kernel; 1: a second kernel per q-tile, no atomics
+};
+
+// rowsum(dO * O) per query row, the Delta the backward reads.
+struct DeltaArgs {
+  const void* o;    // [batch, heads_q, seq_len, head_dim]
+  const void* d_o;  // [batch, heads_q, seq_len, head_dim]
+  float* delta;     // [batch, heads_q, seq_len], float32, contiguous
+  int64_t o_stride_b, o_stride_h, o_stride_s;
+  int64_t d_o_stride_b, d_o_stride_h, d_o_stride_s;
+  int batch, heads_q, seq_len;
+};
+
+// Implemented by the generated backward kernel file; same conventions as forward_launch.
+int backward_launch(const BackwardArgs& args, uintptr_t stream, char* message, int message_size);
+int backward_delta_launch(const DeltaArgs& args, uintptr_t stream, char* message, int message_size);
+
+}  // namespace omnigen

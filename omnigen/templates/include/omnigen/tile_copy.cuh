@@ -1,0 +1,33 @@
+// omnigen primitive: a block of threads copies rows of a [rows][kHeadDim] 16-bit tile from global memory
+// into a swizzled shared-memory tile (cp.async, 16 bytes per copy), rows past the end becoming zeros.
+#pragma once
+#include <cstdint>
+
+#include "omnigen/cp_async.cuh"
+#include "omnigen/smem_tile.cuh"
+
+namespace omnigen {
+
+// Copy `kRows` rows (rows >= `rows_left` become zeros) into the swizzled tile at shared address `tile`.
+// A thread always copies the same chunk column, kThreads / chunks rows apart; the source pointer
+// advances by one step per copy (precomputing every row's offset would hold 64-bit registers).
+template <int kRows, int kThreads, int kHeadDim, typename Element>
+__device__ __forceinline__ void copy_tile_rows(uint32_t tile, const Element* source, int64_t row_stride, int rows_left) {
+  using Tile = SwizzledTile<kHeadDim>;
+  constexpr int kChunks = Tile::kChunks;
+  static_assert(kThreads % kChunks == 0, "a thread's chunk column is fixed");
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kRows % kRowStep == 0, "every thread copies the same number of chunks");
+  const int first_row = threadIdx.x / kChunks, chunk = threadIdx.x % kChunks;
+  const Element* from = source + first_row * row_stride + chunk * 8;
+  const int64_t step = kRowStep * row_stride;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowStep; ++i) {
+    const int row = first_row + i * kRowStep;
+    const bool valid = row < rows_left;
+    cp_async_16(tile + 2 * Tile::offset(row, chunk), valid ? from : source, valid);
+    from += step;
+  }
+}
+
+}  // namespace omnigen
