@@ -1,0 +1,391 @@
+"""The generated backward kernels against float64 gradients, on a GPU (skipped without one).
+
+Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
+raw-pointer `forward`, then `backward_delta` and `backward` exactly as ops.py does, and compares dq, dk and dv
+with `attention_reference_grads` in float64. The bound is twice the error of torch's own computation in the
+same precision (SDPA's math backend with the dense mask, through autograd) against the same reference, plus
+a floor of one unit in the last place of the largest gradient. Outputs are poisoned with NaN first (dq too in
+deterministic mode, which overwrites it), so anything the kernels forget to write fails.
+
+One test here needs only nvcc (marker `nvcc`): the default-tile d128 variants, the tightest for registers,
+build with no spills and no stack in any kernel (the forward's, the two backward kernels and Delta's).
+
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_kernel_backward_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+import omnigen
+from omnigen import cache
+from omnigen.codegen import KernelConfig, default_tile
+from omnigen.reference import attention_reference_grads
+from omnigen.toolchain import kernel_log, visible_gpu_arch
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
+
+# The same rules as tests/test_kernel_forward_gpu.py: the same modules, built once for both files.
+TRANSFUSION = omnigen.Rules(
+    name="gpu_transfusion",
+    modalities={"text": {"self": "causal"}, "image": {"self": "full"}},
+    see={"default": "earlier"},
+)
+# Windows, a see override in each direction, shared documents: the other branches of the predicate.
+MIXED = omnigen.Rules(
+    name="gpu_mixed",
+    modalities={"text": {"self": "causal", "window": 96}, "image": {"self": "full"}, "audio": {"self": "full", "window": 40}},
+    see={"default": "earlier", "image -> image": "none", "text -> audio": "all"},
+    documents="shared",
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+
+# (name, rules, layouts as strings, heads_q, heads_kv)
+CASES = [
+    ("one_token", TRANSFUSION, ["text:1"], 2, 2),
+    ("s17_gqa", TRANSFUSION, ["text:5 image:12"], 2, 1),
+    ("pad_docs_strided", TRANSFUSION, ["text:30 pad:20 image:50 text:28@1 image:72@1 pad:8@1"], 4, 2),
+    ("misaligned_images_1000", TRANSFUSION,
+     ["text:37 image:256 text:101 image:256 text:50 image:300", "text:500 image:300@1 text:200@1"], 4, 1),
+    ("all_pad_rows", TRANSFUSION, ["pad:150 text:50"], 1, 1),
+    ("documents_1000", TRANSFUSION, ["text:200 image:256 text:44 text:300@1 image:64@1 text:136@1"], 2, 2),
+    ("mixed_windows", MIXED, ["text:300 audio:170 image:130 text:77 image:64 audio:59"], 2, 2),
+]
+VARIANTS = [(64, "bf16"), (128, "bf16"), (128, "fp16")]
+
+
+def _config(head_dim: int, dtype: str, arch: str) -> KernelConfig:
+    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=default_tile(head_dim))
+
+
+def _module(rules: omnigen.Rules, head_dim: int, dtype: str):
+    arch = visible_gpu_arch()
+    assert arch is not None, "this GPU's arch is not one omnigen builds for"
+    return cache.get_module(rules, _config(head_dim, dtype, arch))
+
+
+@pytest.fixture(scope="module")
+def built_variants():
+    """Every variant the GPU tests need (the forward test's set), compiled as one parallel ninja graph."""
+    arch = visible_gpu_arch()
+    needed = [(TRANSFUSION, 64, "bf16"), (TRANSFUSION, 128, "bf16"), (TRANSFUSION, 128, "fp16"),
+              (MIXED, 128, "bf16"), (TRANSFUSION, 256, "bf16")]
+    cache.build_variants([cache.variant(r, _config(d, t, arch)) for r, d, t in needed])
+
+
+# ------------------------------------------------------------------------------------------------
+# calling the ABI
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def run_forward(module, plan, q, k, v, scale):
+    B, Hq, S, D = q.shape
+    t = plan.tables
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hq, S), float("nan"), device=q.device, dtype=torch.float32)
+    module.forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        B, Hq, k.shape[1], S, scale,
+        plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(),
+        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(), _stream(),
+    )
+    return o, lse
+
+
+def run_delta(module, o, d_o):
+    B, Hq, S, _ = o.shape
+    delta = torch.full((B, Hq, S), float("nan"), device=o.device, dtype=torch.float32)
+    module.backward_delta(o.data_ptr(), d_o.data_ptr(), delta.data_ptr(), *o.stride()[:3], *d_o.stride()[:3],
+                          B, Hq, S, _stream())
+    return delta
+
+
+def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=False, strided_out=False):
+    """(dq, dk, dv) in float32, dk/dv summed over each GQA group as ops.py does."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    t = plan.tables
+    # Atomic mode adds into dq_accum, so it starts at zero; deterministic mode overwrites it: poison it.
+    dq_accum = torch.full((B, Hq, S, D), float("nan") if deterministic else 0.0, device=q.device, dtype=torch.float32)
+    if Hq == Hkv:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
+        shape = (B, S, Hkv, D) if strided_out else (B, Hkv, S, D)
+        dk = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
+        dv = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
+        if strided_out:
+            dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+    else:  # float32 partials per query head
+        dk = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
+        dv = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
+    module.backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), delta.data_ptr(),
+        dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *d_o.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
+        B, Hq, Hkv, S, scale,
+        plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(), plan.bwd_ptr.data_ptr(), plan.bwd_q.data_ptr(),
+        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
+        deterministic, _stream(),
+    )
+    torch.cuda.synchronize()
+    if Hq != Hkv:
+        dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
+        dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2)
+    return dq_accum, dk.float(), dv.float()
+
+
+def _inputs(B, Hq, Hkv, S, D, dtype, strided):
+    generator = torch.Generator(device="cuda").manual_seed(4321 + S + D)
+
+    def make(H):
+        if strided:  # [B, S, H, D] storage seen as [B, H, S, D]: SDPA's usual non-contiguous layout
+            return torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=generator).transpose(1, 2)
+        return torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=generator)
+
+    return make(Hq), make(Hkv), make(Hkv), make(Hq)
+
+
+def _torch_grads(q, k, v, mask3, d_o, scale):
+    """torch's own gradients in the inputs' precision: SDPA (math backend) with the dense mask, autograd.
+
+    A row with no allowed key would give SDPA NaN; it gets key 0 instead and a zero upstream gradient, which
+    leaves every gradient exactly as the masked definition has it (such rows contribute nothing)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    has_key = mask3.any(-1)  # [B, S]
+    fixed = mask3.clone()
+    fixed[..., 0] |= ~has_key
+    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qq, kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1), attn_mask=fixed[:, None], scale=scale)
+    out.backward(d_o * has_key[:, None, :, None].to(d_o.dtype))
+    return qq.grad.double(), kk.grad.double(), vv.grad.double()
+
+
+def _max_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours.double() - reference).abs().max()) if reference.numel() else 0.0
+
+
+def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name):
+    module = _module(rules, head_dim, dtype)
+    assert module.HAS_BACKWARD and module.BACKWARD_PROBLEM is None
+    layouts = [omnigen.Layout.parse(t) for t in layout_texts]
+    layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
+    B, S = len(layouts), layouts[0].seq_len
+    q, k, v, d_o = _inputs(B, Hq, Hkv, S, head_dim, DTYPES[dtype], strided)
+    scale = 1.0 / math.sqrt(head_dim)
+    plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    o, lse = run_forward(module, plan, q, k, v, scale)
+    delta = run_delta(module, o, d_o)
+    torch.cuda.synchronize()
+    expected_delta = (d_o.float() * o.float()).sum(-1)
+    assert not torch.isnan(delta).any(), "backward_delta left NaN"
+    torch.testing.assert_close(delta, expected_delta, rtol=1e-4, atol=1e-4)
+
+    dq, dk, dv = run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=deterministic,
+                              strided_out=strided)
+    for label, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(grad).any(), f"the backward left NaN (unwritten or computed) in {label}"
+
+    mask = rules.dense_mask(layout, device="cuda")
+    mask3 = mask if mask.dim() == 3 else mask[None]
+    references = attention_reference_grads(q, k, v, mask3, d_o, scale)
+    torch_grads = _torch_grads(q, k, v, mask3, d_o, scale)
+    # Rows no query attends to (keys) and rows with no key (queries) are exact zeros.
+    no_key = ~mask3.any(-1)  # [B, S] query rows
+    unattended = ~mask3.any(-2)  # [B, S] key rows
+    assert (dq.permute(0, 2, 1, 3)[no_key] == 0).all(), "dq rows with no allowed key must be zeros"
+    assert (dk.permute(0, 2, 1, 3)[unattended] == 0).all(), "dk rows nothing attends to must be zeros"
+    assert (dv.permute(0, 2, 1, 3)[unattended] == 0).all(), "dv rows nothing attends to must be zeros"
+
+    report = []
+    for label, ours, reference, theirs in zip(("dq", "dk", "dv"), (dq, dk, dv), references, torch_grads):
+        error, torch_error = _max_error(ours, reference), _max_error(theirs, reference)
+        floor = ULP[dtype] * max(1.0, float(reference.abs().max()))
+        report.append(f"{label} {error:.2e} (torch {torch_error:.2e}, max {float(reference.abs().max()):.1f})")
+        assert error <= 2 * torch_error + floor, (
+            f"{name} d{head_dim} {dtype}: {label} error {error:.3e} > 2 x torch's {torch_error:.3e} + {floor:.2e}")
+    mode = "deterministic" if deterministic else "atomic"
+    print(f"{name} d{head_dim} {dtype} {mode}: " + ", ".join(report))
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.mark.parametrize("head_dim,dtype", VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_matches_reference(built_variants, case, head_dim, dtype):
+    name, rules, layout_texts, Hq, Hkv = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules are built for one variant only")
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
+                deterministic=False, name=name)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("s17_gqa", "pad_docs_strided", "misaligned_images_1000",
+                                                              "all_pad_rows", "mixed_windows")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deterministic_backward(built_variants, case, head_dim, dtype):
+    name, rules, layout_texts, Hq, Hkv = case
+    if rules is MIXED and head_dim != 128:
+        pytest.skip("the mixed rules are built for one variant only")
+    first = _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
+                        deterministic=True, name=name)
+    # Bitwise reproducible: the same call again gives the same bits.
+    module = _module(rules, head_dim, dtype)
+    layouts = [omnigen.Layout.parse(t) for t in layout_texts]
+    layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
+    B, S = len(layouts), layouts[0].seq_len
+    q, k, v, d_o = _inputs(B, Hq, Hkv, S, head_dim, DTYPES[dtype], name == "pad_docs_strided")
+    scale = 1.0 / math.sqrt(head_dim)
+    plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    o, lse = run_forward(module, plan, q, k, v, scale)
+    delta = run_delta(module, o, d_o)
+    second = run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=True,
+                          strided_out=name == "pad_docs_strided")
+    for a, b, label in zip(first, second, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), f"deterministic {label} differs between two identical calls"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_rejects_bad_arguments(built_variants):
+    module = _module(TRANSFUSION, 128, "bf16")
+    layout = omnigen.Layout.parse("text:64")
+    plan = omnigen.plan(TRANSFUSION, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    q, k, v, d_o = _inputs(1, 2, 2, 64, 128, torch.bfloat16, strided=False)
+    good = dict(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=q.data_ptr(), lse=q.data_ptr(), d_o=d_o.data_ptr(),
+        delta=q.data_ptr(), dq_accum=q.data_ptr(), dk=k.data_ptr(), dv=v.data_ptr(),
+        **{f"{t}_stride_{s}": 8 for t in ("q", "k", "v", "o", "d_o", "dk", "dv") for s in "bhs"},
+        batch=1, heads_q=2, heads_kv=2, seq_len=64, scale=0.1,
+        fwd_ptr=plan.fwd_ptr.data_ptr(), fwd_kv=plan.fwd_kv.data_ptr(), bwd_ptr=plan.bwd_ptr.data_ptr(),
+        bwd_q=plan.bwd_q.data_ptr(), token_segment=plan.fwd_ptr.data_ptr(), token_modality=plan.fwd_ptr.data_ptr(),
+        token_doc=plan.fwd_ptr.data_ptr(), deterministic=False, stream=0,
+    )
+    for change, message in [
+        (dict(heads_q=3), "multiple of heads_kv"),
+        (dict(q=q.data_ptr() + 2), "aligned"),
+        (dict(dk=0), "null pointer"),
+        (dict(d_o_stride_s=12), "multiples of 8"),
+        (dict(heads_kv=1, dk_stride_s=130), "multiples of 4"),
+        (dict(deterministic=True, fwd_ptr=0), "fwd_ptr"),
+        (dict(scale=float("nan")), "scale"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            module.backward(**{**good, **change})
+    with pytest.raises(ValueError, match="aligned"):
+        module.backward_delta(q.data_ptr() + 2, d_o.data_ptr(), q.data_ptr(), 0, 0, 0, 0, 0, 0, 1, 2, 64, 0)
+    assert module.BACKWARD_CONFIG["block_m"] == module.BLOCK_M and module.BACKWARD_CONFIG["block_n"] == module.BLOCK_N
+
+    # head_dim 256 has a forward but no backward: a clear NotImplementedError, never a launch.
+    wide = _module(TRANSFUSION, 256, "bf16")
+    assert not wide.HAS_BACKWARD and "head_dim 256" in wide.BACKWARD_PROBLEM
+    with pytest.raises(NotImplementedError, match="no backward kernel"):
+        wide.backward(**good)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_speed_report(built_variants):
+    """Not a benchmark (benchmarks/ has those): one rough figure per run, printed."""
+    module = _module(TRANSFUSION, 128, "bf16")
+    segments = []
+    while sum(n for _, n in segments) < 8192 - 512:
+        segments += [("text", 200), ("image", 256)]
+    segments.append(("text", 8192 - sum(n for _, n in segments)))
+    layout = omnigen.Layout.from_segments(segments)
+    B, H, S, D = 4, 16, 8192, 128
+    q, k, v, d_o = _inputs(B, H, H, S, D, torch.bfloat16, strided=False)
+    batch = omnigen.Layout.batch([layout] * B)
+    plan = omnigen.plan(TRANSFUSION, batch, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    scale = 1 / math.sqrt(D)
+    o, lse = run_forward(module, plan, q, k, v, scale)
+    delta = run_delta(module, o, d_o)
+    dq_accum = torch.zeros(B, H, S, D, device="cuda", dtype=torch.float32)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    t = plan.tables
+
+    def backward(deterministic):
+        if not deterministic:
+            dq_accum.zero_()
+        module.backward(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), delta.data_ptr(),
+            dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *d_o.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3], B, H, H, S, scale,
+            plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(), plan.bwd_ptr.data_ptr(), plan.bwd_q.data_ptr(),
+            t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(), deterministic, _stream())
+
+    def timed(fn, repeats=10):
+        for _ in range(2):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2] / 1e3
+
+    atomic = timed(lambda: backward(False))
+    deterministic = timed(lambda: backward(True))
+    delta_time = timed(lambda: run_delta(module, o, d_o))
+    qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+    causal = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), d_o, retain_graph=True))
+    flops = 2.5 * 4 * D * plan.allowed_pairs * H  # backward = 2.5 x forward (DESIGN section 7: fwd+bwd = 3.5 x)
+    causal_flops = 2.5 * 4 * D * B * H * S * (S + 1) / 2
+    print(f"transfusion S=8192 B=4 H=16 D=128 backward: omnigen atomic {atomic * 1e3:.2f} ms "
+          f"({flops / atomic / 1e12:.0f} TFLOP/s effective), deterministic {deterministic * 1e3:.2f} ms "
+          f"({flops / deterministic / 1e12:.0f}), Delta {delta_time * 1e3:.2f} ms; density {plan.density:.2f}; "
+          f"SDPA causal backward {causal * 1e3:.2f} ms ({causal_flops / causal / 1e12:.0f} TFLOP/s)")
+
+
+# ------------------------------------------------------------------------------------------------
+# nvcc only: no spills in any kernel of the tightest variants
+
+
+_PTXAS_KERNEL = re.compile(
+    r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n"
+    r"ptxas info\s+: Used (\d+) registers")
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_default_tile_kernels_do_not_spill(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path))
+    rules = omnigen.Rules(name="spilltest", modalities={"text": "causal", "image": "full"})
+    variants = [cache.variant(rules, _config(128, "bf16", arch)) for arch in ("sm_80", "sm_90a")]
+    for result in cache.build_variants(variants):
+        log = kernel_log(result.variant.entry, result.variant.stem).read_text()
+        kernels = {m.group(1): tuple(int(m.group(i)) for i in (2, 3, 4, 5)) for m in _PTXAS_KERNEL.finditer(log)}
+        names = " ".join(kernels)
+        for kernel in ("forward_kernel", "dkdv_kernel", "dq_kernel", "delta_kernel"):
+            assert kernel in names, f"{kernel} missing from the ptxas report of {result.variant.module}"
+        for name, (stack, spill_stores, spill_loads, registers) in kernels.items():
+            assert (stack, spill_stores, spill_loads) == (0, 0, 0), f"{name}: stack/spills {stack}/{spill_stores}/{spill_loads}"
+            assert registers <= 255
