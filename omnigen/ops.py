@@ -166,7 +166,10 @@ class _Attention(torch.autograd.Function):
         B, Hq, S, D = q.shape
         Hkv = k.shape[1]
         d_out = _kernel_ready(d_out)
-        delta = (d_out.float() * out.float()).sum(-1)  # dO . O per row, fp32 [B, Hq, S]
+        delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
+        kernel.module.backward_delta(
+            out.data_ptr(), d_out.data_ptr(), delta.data_ptr(), *out.stride()[:3], *d_out.stride()[:3], B, Hq, S, _stream()
+        )
         dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
         if Hq == Hkv:
             dk, dv = torch.empty_like(k), torch.empty_like(v)
