@@ -25,6 +25,12 @@ kind follows from per-kv-tile bit sets ("modalities that see every column", "...
 and the row's set of modalities: a few operations per tile, no counting. Only the *near* tiles
 (touching a piece's own segment, a document edge or a window's edge) are counted as above, which
 keeps the work proportional to the tiles a kernel visits with a small constant.
+
+On a CUDA device with Triton, `plan()` hands the same computation to `plan_gpu`: segment-level
+prefix sums replace the per-token P / PP rows, one Triton program per (q-tile row, block of
+kv-tiles) counts N and U with the same closed forms and classifies, and one program per row and
+per column writes the schedules: three launches and one host sync, results identical to
+`_classify` + `_schedules` (tests/test_plan_gpu.py compares them array for array).
 """
 
 from __future__ import annotations
