@@ -25,7 +25,7 @@ import torch
 
 import omnigen
 from omnigen import cache
-from omnigen.codegen import KernelConfig, default_tile
+from omnigen.codegen import KernelConfig, TileConfig, default_tile
 from omnigen.reference import attention_reference_grads
 from omnigen.toolchain import kernel_log, visible_gpu_arch
 
@@ -61,25 +61,31 @@ CASES = [
     ("mixed_windows", MIXED, ["text:300 audio:170 image:130 text:77 image:64 audio:59"], 2, 2),
 ]
 VARIANTS = [(64, "bf16"), (128, "bf16"), (128, "fp16")]
+# Other tiles the backward must get right: 8 warps of keys (the dQ phase splits the head dim between warps;
+# two code paths, d64 and d128), and the small tile of the compile tests (one 64-row step per q-tile).
+WIDE_TILE = TileConfig(block_m=128, block_n=128, warps=8, stages=2)
+OTHER_TILES = [(64, WIDE_TILE), (128, WIDE_TILE), (64, TileConfig(block_m=64, block_n=64, warps=4, stages=2))]
 
 
-def _config(head_dim: int, dtype: str, arch: str) -> KernelConfig:
-    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=default_tile(head_dim))
+def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None) -> KernelConfig:
+    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default_tile(head_dim))
 
 
-def _module(rules: omnigen.Rules, head_dim: int, dtype: str):
+def _module(rules: omnigen.Rules, head_dim: int, dtype: str, tile: TileConfig | None = None):
     arch = visible_gpu_arch()
     assert arch is not None, "this GPU's arch is not one omnigen builds for"
-    return cache.get_module(rules, _config(head_dim, dtype, arch))
+    return cache.get_module(rules, _config(head_dim, dtype, arch, tile))
 
 
 @pytest.fixture(scope="module")
 def built_variants():
-    """Every variant the GPU tests need (the forward test's set), compiled as one parallel ninja graph."""
+    """Every variant the GPU tests need (the forward test's set and the other tiles), as one parallel ninja graph."""
     arch = visible_gpu_arch()
-    needed = [(TRANSFUSION, 64, "bf16"), (TRANSFUSION, 128, "bf16"), (TRANSFUSION, 128, "fp16"),
-              (MIXED, 128, "bf16"), (TRANSFUSION, 256, "bf16")]
-    cache.build_variants([cache.variant(r, _config(d, t, arch)) for r, d, t in needed])
+    needed = [(TRANSFUSION, 64, "bf16", None), (TRANSFUSION, 128, "bf16", None), (TRANSFUSION, 128, "fp16", None),
+              (MIXED, 128, "bf16", None), (TRANSFUSION, 256, "bf16", None)]
+    needed += [(TRANSFUSION, d, "bf16", tile) for d, tile in OTHER_TILES]
+    configs = [(r, _config(d, t, arch, tile)) for r, d, t, tile in needed]
+    cache.build_variants([cache.variant(r, c) for r, c in configs if not c.problems()])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,8 +186,8 @@ def _max_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours.double() - reference).abs().max()) if reference.numel() else 0.0
 
 
-def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name):
-    module = _module(rules, head_dim, dtype)
+def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None):
+    module = _module(rules, head_dim, dtype, tile)
     assert module.HAS_BACKWARD and module.BACKWARD_PROBLEM is None
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
     layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
@@ -220,7 +226,7 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
         assert error <= 2 * torch_error + floor, (
             f"{name} d{head_dim} {dtype}: {label} error {error:.3e} > 2 x torch's {torch_error:.3e} + {floor:.2e}")
     mode = "deterministic" if deterministic else "atomic"
-    print(f"{name} d{head_dim} {dtype} {mode}: " + ", ".join(report))
+    print(f"{name} d{head_dim} {dtype} {module.CONFIG['block_m']}x{module.CONFIG['block_n']} {mode}: " + ", ".join(report))
     return dq, dk, dv
 
 
@@ -268,6 +274,21 @@ def test_deterministic_backward(built_variants, case, head_dim, dtype):
         assert torch.equal(a, b), f"deterministic {label} differs between two identical calls"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("head_dim,tile", OTHER_TILES, ids=lambda x: x.label if isinstance(x, TileConfig) else f"d{x}")
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_other_tiles(built_variants, case, head_dim, tile, deterministic):
+    name, rules, layout_texts, Hq, Hkv = case
+    problems = _config(head_dim, "bf16", visible_gpu_arch(), tile).problems()
+    if problems:
+        pytest.skip(f"not buildable on this GPU: {problems}")
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=name == "pad_docs_strided",
+                deterministic=deterministic, name=name, tile=tile)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_backward_rejects_bad_arguments(built_variants):
@@ -306,17 +327,35 @@ def test_backward_rejects_bad_arguments(built_variants):
         wide.backward(**good)
 
 
+def _timed(fn, repeats=10):
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / 1e3
+
+
+@pytest.mark.parametrize("head_dim,tile", [(128, None), (128, WIDE_TILE), (64, None)],
+                         ids=["d128", "d128_m128n128w8", "d64"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_backward_speed_report(built_variants):
+def test_backward_speed_report(built_variants, head_dim, tile):
     """Not a benchmark (benchmarks/ has those): one rough figure per run, printed."""
-    module = _module(TRANSFUSION, 128, "bf16")
+    if _config(head_dim, "bf16", visible_gpu_arch(), tile).problems():
+        pytest.skip("tile not buildable on this GPU")
+    module = _module(TRANSFUSION, head_dim, "bf16", tile)
     segments = []
     while sum(n for _, n in segments) < 8192 - 512:
         segments += [("text", 200), ("image", 256)]
     segments.append(("text", 8192 - sum(n for _, n in segments)))
     layout = omnigen.Layout.from_segments(segments)
-    B, H, S, D = 4, 16, 8192, 128
+    B, H, S, D = 4, 16, 8192, head_dim
     q, k, v, d_o = _inputs(B, H, H, S, D, torch.bfloat16, strided=False)
     batch = omnigen.Layout.batch([layout] * B)
     plan = omnigen.plan(TRANSFUSION, batch, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
@@ -329,7 +368,7 @@ def test_backward_speed_report(built_variants):
 
     def backward(deterministic):
         if not deterministic:
-            dq_accum.zero_()
+            dq_accum.zero_()  # the caller's job in atomic mode, so it is timed with it
         module.backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), delta.data_ptr(),
             dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
@@ -338,30 +377,19 @@ def test_backward_speed_report(built_variants):
             plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(), plan.bwd_ptr.data_ptr(), plan.bwd_q.data_ptr(),
             t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(), deterministic, _stream())
 
-    def timed(fn, repeats=10):
-        for _ in range(2):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2] / 1e3
-
-    atomic = timed(lambda: backward(False))
-    deterministic = timed(lambda: backward(True))
-    delta_time = timed(lambda: run_delta(module, o, d_o))
+    forward = _timed(lambda: run_forward(module, plan, q, k, v, scale))
+    atomic = _timed(lambda: backward(False))
+    deterministic = _timed(lambda: backward(True))
+    delta_time = _timed(lambda: run_delta(module, o, d_o))
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-    causal = timed(lambda: torch.autograd.grad(out, (qq, kk, vv), d_o, retain_graph=True))
+    causal = _timed(lambda: torch.autograd.grad(out, (qq, kk, vv), d_o, retain_graph=True))
     flops = 2.5 * 4 * D * plan.allowed_pairs * H  # backward = 2.5 x forward (DESIGN section 7: fwd+bwd = 3.5 x)
     causal_flops = 2.5 * 4 * D * B * H * S * (S + 1) / 2
-    print(f"transfusion S=8192 B=4 H=16 D=128 backward: omnigen atomic {atomic * 1e3:.2f} ms "
+    print(f"transfusion S=8192 B=4 H=16 D={D} tile {module.BLOCK_M}x{module.BLOCK_N}: forward {forward * 1e3:.2f} ms "
+          f"({flops / 2.5 / forward / 1e12:.0f} TFLOP/s); backward atomic {atomic * 1e3:.2f} ms "
           f"({flops / atomic / 1e12:.0f} TFLOP/s effective), deterministic {deterministic * 1e3:.2f} ms "
-          f"({flops / deterministic / 1e12:.0f}), Delta {delta_time * 1e3:.2f} ms; density {plan.density:.2f}; "
+          f"({flops / deterministic / 1e12:.0f}), Delta {delta_time * 1e3:.3f} ms; density {plan.density:.2f}; "
           f"SDPA causal backward {causal * 1e3:.2f} ms ({causal_flops / causal / 1e12:.0f} TFLOP/s)")
 
 
