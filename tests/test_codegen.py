@@ -221,3 +221,38 @@ def test_kernel_section_does_not_rename_or_change_variants():
     assert with_kernel.content_hash() != rules.content_hash()
     assert codegen.module_name(with_kernel, CONFIG) == codegen.module_name(rules, CONFIG)
     assert codegen.render(with_kernel, CONFIG) == codegen.render(rules.without_kernel(), CONFIG)
+
+
+def test_backward_is_rendered_next_to_the_forward():
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    files = codegen.render(rules, CONFIG)
+    names = codegen.source_names(rules, CONFIG)
+    assert names["backward"] == "transfusion_bf16_d128_m128n64w4s2_sm_80_backward.cu" and names["backward"] in files
+    backward = files[names["backward"]]
+    # One nvcc run per variant: the forward's kernel file includes the backward's.
+    assert f'#include "{names["backward"]}"' in files[names["kernel"]]
+    for text in ("__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel", "dq_kernel", "delta_kernel",
+                 "// Full path: no mask work.", "// Causal path: one compare per score.",
+                 "// Partial path: the generated predicate.", "allowed(rule", "row_rule(", "Mma::run",
+                 "omnigen::atomic_add_pair", f"static_assert(kDkdvSharedBytes == {CONFIG.backward_shared_bytes}",
+                 f"static_assert(kDqSharedBytes == {CONFIG.dq_shared_bytes}"):
+        assert text in backward, text
+    assert "#define" not in backward
+    binding = files[names["binding"]]
+    for text in ('m.def("backward"', 'm.def("backward_delta"', 'm.attr("HAS_BACKWARD")', 'm.attr("BACKWARD_CONFIG")',
+                 "constexpr bool kHasBackward = true;"):
+        assert text in binding, text
+
+
+def test_variants_without_a_backward_say_why():
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    wide = KernelConfig(256, "bf16", "sm_90a", codegen.default_tile(256))
+    assert not wide.problems() and wide.backward_problems()
+    files = codegen.render(rules, wide)
+    backward = files[codegen.source_names(rules, wide)["backward"]]
+    # Delta still works; no dK/dV or dQ kernel is compiled.
+    assert "dkdv_kernel(const" not in backward and "dq_kernel(const" not in backward and "delta_kernel(const" in backward
+    assert "has no backward kernel: the backward holds dK and dV" in backward
+    assert "constexpr bool kHasBackward = false;" in files[codegen.source_names(rules, wide)["binding"]]
+    assert not KernelConfig(128, "bf16", "sm_80").backward_problems()
+    assert "multiple of 64" in " ".join(KernelConfig(64, "bf16", "sm_80", TileConfig(32, 32, 2, 2)).backward_problems())
