@@ -23,16 +23,16 @@ grep -qE "[0-9]+ failed|error" "$out/gpu-tests.log" && status=1
 echo "== planning benchmark"
 python3 benchmarks/bench_plan.py --json "$out/bench_plan.json" 2>&1 | tee "$out/bench_plan.log" | tail -9 || status=1
 
-for bench in benchmarks/bench_build.py benchmarks/bench_attention.py; do
-  if [ -f "$bench" ]; then
-    name=$(basename "$bench" .py)
-    echo "== $name"
-    python3 "$bench" --json "$out/$name.json" 2>&1 | tee "$out/$name.log" | tail -20 || status=1
-  fi
-done
+echo "== build benchmark"
+python3 benchmarks/bench_build.py --json "$out/bench_build.json" 2>&1 | tee "$out/bench_build.log" | tail -6 || status=1
+
+echo "== attention benchmark"
+python3 benchmarks/bench_attention.py ${ATTENTION_ARGS:---dims 128 --sizes 8192 16384 32768} \
+  --json "$out/bench_attention.json" --png "$out/bench_attention.png" 2>&1 | tee "$out/bench_attention.log" | tail -40 || status=1
 
 echo
 echo "== summary"
 tail -1 "$out/gpu-tests.log"
 tail -8 "$out/bench_plan.log"
+grep -A40 "^attention," "$out/bench_attention.log" || true
 exit $status
