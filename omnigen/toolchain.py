@@ -382,18 +382,30 @@ _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
 
 
-def ptxas_report(log_text: str) -> dict[str, int]:
-    """Registers, spills and stack of the forward kernel, from nvcc's -Xptxas -v output."""
-    report: dict[str, int] = {}
-    stack = _PTXAS_STACK.search(log_text)
-    if stack:
-        report.update(stack_bytes=int(stack.group(1)), spill_store_bytes=int(stack.group(2)),
-                      spill_load_bytes=int(stack.group(3)))
-    registers = _PTXAS_REGISTERS.search(log_text)
-    if registers:
-        report["registers"] = int(registers.group(1))
-    shared = _PTXAS_SHARED.search(log_text)
-    report["static_shared_bytes"] = int(shared.group(1)) if shared else 0
+def ptxas_report(log_text: str) -> dict:
+    """Registers, spills and stack from nvcc's -Xptxas -v output: the worst over every kernel of the
+    module (forward, backward, ...) at the top level, and each kernel's own figures under "kernels"."""
+    kernels: dict[str, dict[str, int]] = {}
+    chunks = _PTXAS_FUNCTION.split(log_text)  # [preamble, name, body, name, body, ...]
+    for name, body in zip(chunks[1::2], chunks[2::2]):
+        figures: dict[str, int] = {}
+        stack = _PTXAS_STACK.search(body)
+        if stack:
+            figures.update(stack_bytes=int(stack.group(1)), spill_store_bytes=int(stack.group(2)),
+                           spill_load_bytes=int(stack.group(3)))
+        registers = _PTXAS_REGISTERS.search(body)
+        if registers:
+            figures["registers"] = int(registers.group(1))
+        shared = _PTXAS_SHARED.search(body)
+        figures["static_shared_bytes"] = int(shared.group(1)) if shared else 0
+        kernels[name] = figures
+    report: dict = {}
+    for key in ("stack_bytes", "spill_store_bytes", "spill_load_bytes", "registers", "static_shared_bytes"):
+        values = [figures[key] for figures in kernels.values() if key in figures]
+        if values:
+            report[key] = max(values)
+    if kernels:
+        report["kernels"] = kernels
     return report
 
 

@@ -115,7 +115,17 @@ def test_ptxas_report():
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 232 registers, used 1 barriers"""
     assert tools.ptxas_report(log) == {"stack_bytes": 0, "spill_store_bytes": 0, "spill_load_bytes": 0,
-                                       "registers": 232, "static_shared_bytes": 0}
+                                       "registers": 232, "static_shared_bytes": 0,
+                                       "kernels": {"_ZN3foo": {"stack_bytes": 0, "spill_store_bytes": 0,
+                                                               "spill_load_bytes": 0, "registers": 232,
+                                                               "static_shared_bytes": 0}}}
+    two = log + """
+ptxas info    : Function properties for _ZN3bar
+    8 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 30 registers, used 1 barriers, 64 bytes smem"""
+    report = tools.ptxas_report(two)  # the worst kernel decides: a spill anywhere shows
+    assert (report["registers"], report["spill_store_bytes"], report["stack_bytes"]) == (232, 16, 8)
+    assert set(report["kernels"]) == {"_ZN3foo", "_ZN3bar"}
 
 
 def test_max_jobs(monkeypatch):
