@@ -32,21 +32,7 @@ from omnigen.toolchain import kernel_log, visible_gpu_arch
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
-# The same rules as tests/test_kernel_forward_gpu.py: the same modules, built once for both files.
-TRANSFUSION = omnigen.Rules(
-    name="gpu_transfusion",
-    modalities={"text": {"self": "causal"}, "image": {"self": "full"}},
-    see={"default": "earlier"},
-)
-# Windows, a see override in each direction, shared documents: the other branches of the predicate.
-MIXED = omnigen.Rules(
-    name="gpu_mixed",
-    modalities={"text": {"self": "causal", "window": 96}, "image": {"self": "full"}, "audio": {"self": "full", "window": 40}},
-    see={"default": "earlier", "image -> image": "none", "text -> audio": "all"},
-    documents="shared",
-)
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from kernel_cases import DTYPES, MIXED, TRANSFUSION  # shared with the other kernel test file
 ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 # (name, rules, layouts as strings, heads_q, heads_kv)

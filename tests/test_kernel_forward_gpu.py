@@ -27,20 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-TRANSFUSION = omnigen.Rules(
-    name="gpu_transfusion",
-    modalities={"text": {"self": "causal"}, "image": {"self": "full"}},
-    see={"default": "earlier"},
-)
-# Windows, a see override in each direction, shared documents: the other branches of the predicate.
-MIXED = omnigen.Rules(
-    name="gpu_mixed",
-    modalities={"text": {"self": "causal", "window": 96}, "image": {"self": "full"}, "audio": {"self": "full", "window": 40}},
-    see={"default": "earlier", "image -> image": "none", "text -> audio": "all"},
-    documents="shared",
-)
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from kernel_cases import DTYPES, MIXED, TRANSFUSION  # shared with the other kernel test file
 
 # (name, rules, layouts as strings, heads_q, heads_kv)
 CASES = [
