@@ -52,8 +52,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 # (16 MiB per int32 buffer); above it, one sync before the scheduling launch sizes them exactly.
 INLINE_TILE_LIMIT = 1 << 22
 
-# Rows (and columns) are counted in groups of GROUP too, so each scheduling program finds its
-# offset from at most (R / GROUP + 3 GROUP) counts.
+# Rows (and columns) are also counted in groups of GROUP (columns: of one batch element), so each
+# scheduling program finds its offset from at most (R / GROUP + 3 GROUP) counts.
 GROUP = 64
 
 _RULE_CACHE: dict = {}
@@ -123,7 +123,7 @@ def classify_and_schedule(
     off_w = off_pp + n_weights * stride
     ws64 = torch.empty(off_w + n_weights * stride, dtype=torch.int64, device=device)
     # int32: [fwd_ptr 3R+1 | bwd_ptr 3C+1 | counts: per row 3R, per column 3C, per group of GROUP rows,
-    #         per group of GROUP columns | fwd_kv cap | bwd_q cap]; the counts start at zero
+    #         per group of GROUP columns of one element | fwd_kv cap | bwd_q cap]; the counts start at zero
     cap = R * nk
     inline = cap <= INLINE_TILE_LIMIT
     off_bptr = 3 * R + 1
@@ -131,7 +131,7 @@ def classify_and_schedule(
     off_colc = off_rowc + 3 * R
     off_rowg = off_colc + 3 * C
     off_colg = off_rowg + -(-R // GROUP)
-    off_kv = off_colg + -(-C // GROUP)
+    off_kv = off_colg + B * -(-nk // GROUP)
     off_q = off_kv + cap
     out32 = torch.empty(off_q + cap if inline else off_kv, dtype=torch.int32, device=device)
     grid = torch.empty(R * nk, dtype=torch.int8, device=device)
@@ -144,7 +144,7 @@ def classify_and_schedule(
         NWP=max(2, _next_pow2(n_weights)), BLOCK_S=2048 if large else 256, ZBLOCK=zblock,
         num_warps=8 if large else 4,
     )
-    block_j = min(128, max(16, _next_pow2(nk)))
+    block_j = min(128, max(16, _next_pow2(nk)))  # >= GROUP unless a row is one chunk
     _classify_kernel[(R, -(-nk // block_j))](
         tables.token_segment, tables.seg_start, tables.seg_end, tables.seg_modality,
         tables.seg_visible_start, tables.seg_visible_end, rule_table, ws64, out32, grid,
@@ -339,7 +339,8 @@ if triton is not None:
                          S, n, nseg, nq, nk, block_m, block_n, n_mod, big,
                          off_first, off_p, off_pp, off_w, off_rowc, off_colc, off_rowg, off_colg,
                          BLOCK_J: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr):
-        """Program (r, c): kv-tiles [c * BLOCK_J, (c + 1) * BLOCK_J) of q-tile row r."""
+        """Program (r, c): kv-tiles [c * BLOCK_J, (c + 1) * BLOCK_J) of q-tile row r (BLOCK_J >= GROUP,
+        or the row has a single chunk)."""
         r = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1).to(tl.int64)
         S = S.to(tl.int64)
@@ -374,9 +375,10 @@ if triton is not None:
             real, r0, r1, s0, s1, v0, v1, window, causal, own_top, e_row, l_row = _piece(
                 s, row_first, row_end, seg_start, seg_end, seg_mod, seg_vs, seg_ve, causal_tab, window_tab,
                 n_mod, stride, big)
-            count, _ = _piece_counts(v0, v1, r0, r1, s0, s1, v0, v1, window, own_top, e_row, l_row,
-                                     n, nseg, tok_seg, seg_first, seg_p, seg_pp, seg_w, HAS_WINDOW)
-            allowed += tl.where(real, count, 0)
+            if chunk == 0:
+                count, _ = _piece_counts(v0, v1, r0, r1, s0, s1, v0, v1, window, own_top, e_row, l_row,
+                                         n, nseg, tok_seg, seg_first, seg_p, seg_pp, seg_w, HAS_WINDOW)
+                allowed += tl.where(real, count, 0)
             sees_earlier = (_prefix_at(s0, e_row, n, nseg, tok_seg, seg_first, seg_p, seg_w)
                             - _prefix_at(v0, e_row, n, nseg, tok_seg, seg_first, seg_p, seg_w)) > 0
             sees_later = (_prefix_at(v1, l_row, n, nseg, tok_seg, seg_first, seg_p, seg_w)
@@ -428,7 +430,14 @@ if triton is not None:
             ones = tl.full([BLOCK_J], 1, tl.int32)
             tl.atomic_add(out32 + off_colc + column * 3 + tl.where(visited, kind - 1, 0), ones,
                           mask=visited, sem="relaxed")
-            tl.atomic_add(out32 + off_colg + column // GROUP, ones, mask=visited, sem="relaxed")
+            # column groups: GROUP consecutive kv-tiles of one batch element (a chunk holds whole groups)
+            col_group = b * ((nk + GROUP - 1) // GROUP) + chunk * (BLOCK_J // GROUP)
+            if BLOCK_J >= GROUP:
+                per_group = tl.sum(tl.reshape(visited.to(tl.int32), (BLOCK_J // GROUP, GROUP)), 1)
+                tl.atomic_add(out32 + off_colg + col_group + tl.arange(0, BLOCK_J // GROUP), per_group,
+                              mask=per_group > 0, sem="relaxed")
+            else:  # the row's only chunk: one group
+                tl.atomic_add(out32 + off_colg + col_group, tl.sum(visited.to(tl.int32), 0), sem="relaxed")
 
     @_jit(ints=("R3", "C3", "R", "off_rowc", "off_colc", "off_bptr"), pointers=("out32", "ws64"))
     def _scan_kernel(out32, ws64, R3, C3, R, off_rowc, off_colc, off_bptr, BLOCK: tl.constexpr):
@@ -457,17 +466,17 @@ if triton is not None:
         tl.store(ws64 + 1, allowed)
 
     @triton.jit
-    def _offsets(counts, groups, item, n_items, ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-        """Schedule offsets of `item` (its full, causal, partial starts) from the per-item counts
-        (3 per item) and the per-group totals; writes them to ptr[3 item ...], and the total to
-        ptr[3 n_items] from the last item. Returns (full, causal, partial, end)."""
-        group = item // GROUP
+    def _offsets(counts, groups, group, first, item, n_items, ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        """Schedule offsets of `item` (its full, causal, partial starts) from the totals of the groups
+        before its group and the per-item counts (3 per item) from its group's first item `first`;
+        writes them to ptr[3 item ...], and the total to ptr[3 n_items] from the last item.
+        Returns (full, causal, partial, end)."""
         lanes = tl.arange(0, BLOCK)
         before = tl.zeros([], tl.int32)
         for start in range(0, group, BLOCK):
             at = start + lanes
             before += tl.sum(tl.load(groups + at, mask=at < group, other=0), 0)
-        at = 3 * group * GROUP + tl.arange(0, 4 * GROUP)
+        at = 3 * first + tl.arange(0, 4 * GROUP)
         before += tl.sum(tl.load(counts + at, mask=at < 3 * item, other=0), 0)
         f = before
         c = f + tl.load(counts + 3 * item)
@@ -505,7 +514,8 @@ if triton is not None:
         if pid < R:  # forward: q-tile row r lists its kv-tiles
             r = pid
             if FUSED_SCAN:
-                f, c, p, end = _offsets(ptrs + off_rowc, ptrs + off_rowg, r, R, ptrs, BLOCK, GROUP)
+                f, c, p, end = _offsets(ptrs + off_rowc, ptrs + off_rowg, r // GROUP, r // GROUP * GROUP, r, R, ptrs,
+                                        BLOCK, GROUP)
                 tl.store(ws64, end.to(tl.int64), mask=r == R - 1)
                 allowed = tl.zeros([], tl.int64)
                 for start in range(0, tl.where(r == 0, R, 0), BLOCK):
@@ -522,14 +532,16 @@ if triton is not None:
                 f, c, p = _emit(kind, j.to(tl.int32), f, c, p, fwd_kv)
         else:  # backward: kv-tile column (b, j) lists its q-tiles, reading the grid transposed
             col = pid - R
-            if FUSED_SCAN:
-                f, c, p, end = _offsets(ptrs + off_colc, ptrs + off_colg, col, C, ptrs + off_bptr, BLOCK, GROUP)
+            b = col // nk
+            j = col - b * nk
+            if FUSED_SCAN:  # column groups: GROUP consecutive kv-tiles of one batch element
+                group = b * ((nk + GROUP - 1) // GROUP) + j // GROUP
+                f, c, p, end = _offsets(ptrs + off_colc, ptrs + off_colg, group, col - j % GROUP, col, C,
+                                        ptrs + off_bptr, BLOCK, GROUP)
             else:
                 f = tl.load(ptrs + off_bptr + 3 * col)
                 c = tl.load(ptrs + off_bptr + 3 * col + 1)
                 p = tl.load(ptrs + off_bptr + 3 * col + 2)
-            b = col // nk
-            j = col - b * nk
             for start in range(0, nq, BLOCK):
                 i = start + lanes
                 kind = tl.load(grid + (b * nq + i) * nk + j, mask=i < nq, other=0)

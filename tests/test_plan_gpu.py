@@ -41,8 +41,8 @@ def fit(layout: omnigen.Layout, seq_len: int) -> omnigen.Layout:
 @st.composite
 def planning_cases(draw):
     rule_set = draw(rules())
-    size = draw(st.sampled_from(("free", "free", 1, 17, 1000)))
-    long = size == 1000
+    size = draw(st.sampled_from(("free", "free", 1, 17, 1000, 2000)))  # 2000: more than 64 tiles a side
+    long = size in (1000, 2000)
     count = draw(st.integers(1, 3))
     items = [
         draw(layouts(rule_set, max_segments=40 if long else 8, max_length=80 if long else 40)) for _ in range(count)
