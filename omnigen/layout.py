@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Iterable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -20,8 +20,9 @@ MAX_SEQ_LEN = 2**31 - 1
 _TOKEN_RE = re.compile(r"^([a-z][a-z0-9_]*):(-?\d+)(?:@(-?\d+))?$")
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
+    """One run of tokens of one modality in one document. A tuple, so layouts build fast."""
+
     modality: str
     length: int
     doc: int = 0
@@ -321,24 +322,30 @@ def _unreadable(word: str) -> str:
     return "unexpected characters"
 
 
+_GOOD_MODALITY_NAMES: set[str] = set()  # names already checked against _MODALITY_RE
+
+
 def _check_segments(segments: tuple[Segment, ...]) -> None:
     if not segments:
         raise ValueError("a layout needs at least one segment")
-    previous_doc = None
-    for index, seg in enumerate(segments):
-        if not isinstance(seg.modality, str) or not _MODALITY_RE.match(seg.modality):
-            raise ValueError(f"segment {index}: modality must be a lowercase name like 'text', not {seg.modality!r}")
-        if isinstance(seg.length, bool) or not isinstance(seg.length, int) or seg.length < 1:
-            raise ValueError(f"segment {index} ({seg.modality}): length must be an integer >= 1, not {seg.length!r}")
-        if isinstance(seg.doc, bool) or not isinstance(seg.doc, int) or seg.doc < 0:
-            raise ValueError(f"segment {index} ({seg.modality}): document id must be an integer >= 0, not {seg.doc!r}")
-        if previous_doc is not None and seg.doc < previous_doc:
+    previous_doc = 0
+    total = 0
+    for index, (modality, length, doc) in enumerate(segments):
+        if modality not in _GOOD_MODALITY_NAMES:
+            if not isinstance(modality, str) or not _MODALITY_RE.match(modality):
+                raise ValueError(f"segment {index}: modality must be a lowercase name like 'text', not {modality!r}")
+            _GOOD_MODALITY_NAMES.add(modality)
+        if type(length) is not int or length < 1:  # bool is not int here, on purpose
+            raise ValueError(f"segment {index} ({modality}): length must be an integer >= 1, not {length!r}")
+        if type(doc) is not int or doc < 0:
+            raise ValueError(f"segment {index} ({modality}): document id must be an integer >= 0, not {doc!r}")
+        if doc < previous_doc:
             raise ValueError(
-                f"segment {index} ({seg}): document ids must not decrease along the sequence "
-                f"(document {seg.doc} after document {previous_doc})"
+                f"segment {index} ({segments[index]}): document ids must not decrease along the sequence "
+                f"(document {doc} after document {previous_doc})"
             )
-        previous_doc = seg.doc
-    total = sum(seg.length for seg in segments)
+        previous_doc = doc
+        total += length
     if total > MAX_SEQ_LEN:  # kernels index tokens with 32-bit integers
         raise ValueError(f"a layout may have at most {MAX_SEQ_LEN} tokens, this one has {total}")
 
@@ -359,11 +366,11 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
     ids = {name: rules.modality_id(name) for name in set().union(*(layout.modalities for layout in layouts))}
     lengths, modalities, docs, batch = [], [], [], []
     for b, layout in enumerate(layouts):
-        for seg in layout.segments:
-            lengths.append(seg.length)
-            modalities.append(ids[seg.modality])
-            docs.append(seg.doc)
-            batch.append(b)
+        names, sizes, documents = zip(*layout.segments)
+        lengths += sizes
+        modalities += [ids[name] for name in names]
+        docs += documents
+        batch += [b] * len(sizes)
     length, seg_modality, seg_doc, seg_batch = torch.tensor([lengths, modalities, docs, batch], dtype=torch.int64)
     seg_end = torch.cumsum(length, 0)
     seg_start = seg_end - length
