@@ -132,4 +132,4 @@ def test_attention_rejects_what_was_not_built():
     with pytest.raises(ValueError, match="do not declare"):
         omnigen.attention(q, k, v, "audio:20", RULES)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
-        omnigen.attention(torch.cat([q, q, q], 1), k, v, layout, RULES)
+        omnigen.attention(torch.cat([q, q[:, :1]], 1), k, v, layout, RULES)  # 3 q heads, 2 kv heads
