@@ -3,7 +3,7 @@
 For each head dim D and sequence length S (batch B = tokens // S), every batch element gets its own
 Transfusion-style layout (images of 256 or 1024 tokens between text runs of 16-512 tokens). Timed:
 
-  omnigen        omnigen.attention with the rules (if the kernels are built in this tree)
+  omnigen        omnigen.attention with the rules (built on first use)
   flex           torch.compile(flex_attention), block mask built beforehand
   sdpa_dense     SDPA with the dense boolean mask [B, 1, S, S] (memory-efficient backend)
   cudnn_dense    SDPA with the dense boolean mask on the cuDNN backend (where it accepts one)
@@ -101,12 +101,7 @@ def candidates(rules, batch, q, k, v, S):
     pairs = omnigen.plan(rules, batch, 128, 128, device="cuda").allowed_pairs
     causal_pairs = B * S * (S + 1) // 2
 
-    try:
-        import omnigen.ops  # noqa: F401  (the kernels: issue 4)
-
-        out["omnigen"] = (lambda: omnigen.attention(q, k, v, batch, rules), pairs)
-    except ImportError:
-        pass
+    out["omnigen"] = (lambda: omnigen.attention(q, k, v, batch, rules), pairs)
 
     block_mask = create_block_mask(rules_mask_mod(rules, tables), B, None, S, S, device="cuda")
     flex = torch.compile(flex_attention, dynamic=False)

@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from omnigen.build import describe_toolchain, find_toolchain, visible_gpu_arch
+    from omnigen.toolchain import describe_toolchain, find_toolchain, visible_gpu_arch
 
     arch = args.arch or visible_gpu_arch() or "sm_80"
     with tempfile.TemporaryDirectory(prefix="omnigen-bench-") as cache_dir:
