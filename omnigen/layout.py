@@ -7,8 +7,11 @@ particular `Rules` (`layout.tables(rules)`), which is also where names become in
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Iterable, NamedTuple, Sequence, Union
 
 import torch
@@ -54,15 +57,29 @@ class LayoutTables:
     seg_visible_end: torch.Tensor  # int64
     # per token, [B, S]
     token_segment: torch.Tensor  # int32, global segment index
-    token_modality: torch.Tensor  # int32
-    token_doc: torch.Tensor  # int32
+
+    # The planner needs only token_segment; kernels also read these two, made on first use.
+    @functools.cached_property
+    def token_modality(self) -> torch.Tensor:  # int32 [B, S]
+        return self.seg_modality.to(torch.int32)[self.token_segment]
+
+    @functools.cached_property
+    def token_doc(self) -> torch.Tensor:  # int32 [B, S]
+        return self.seg_doc.to(torch.int32)[self.token_segment]
 
     @property
     def num_segments(self) -> int:
         return int(self.seg_start.shape[0])
 
+    def to(self, device: torch.device | str) -> "LayoutTables":
+        return LayoutTables(**{
+            f.name: (getattr(self, f.name).to(device) if f.type == "torch.Tensor" else getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        })
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.__dict__.values() if isinstance(t, torch.Tensor))
+        tensors = [getattr(self, f.name) for f in dataclasses.fields(self)] + [self.token_modality, self.token_doc]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 class Layout:
@@ -361,34 +378,40 @@ def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str |
 
 
 def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.device) -> LayoutTables:
-    """Segment tables are made on the CPU (they are small) and moved in one copy; token tables on `device`."""
+    """Segment tables are made in plain Python (they are small) and moved in one copy; token tables on `device`."""
     seq_len = layouts[0].seq_len
     ids = {name: rules.modality_id(name) for name in set().union(*(layout.modalities for layout in layouts))}
-    lengths, modalities, docs, batch = [], [], [], []
+    lengths: list[int] = []
+    modalities: list[int] = []
+    docs: list[int] = []
+    batch: list[int] = []
+    visible_start: list[int] = []
+    visible_end: list[int] = []
+    isolated = rules.isolated_documents
     for b, layout in enumerate(layouts):
         names, sizes, documents = zip(*layout.segments)
+        base = len(lengths)
         lengths += sizes
         modalities += [ids[name] for name in names]
         docs += documents
         batch += [b] * len(sizes)
-    length, seg_modality, seg_doc, seg_batch = torch.tensor([lengths, modalities, docs, batch], dtype=torch.int64)
-    seg_end = torch.cumsum(length, 0)
-    seg_start = seg_end - length
-
-    # Visible range: the segment's document (isolated) or its whole batch element (shared).
-    group = seg_batch * (int(seg_doc.max()) + 1) + seg_doc if rules.isolated_documents else seg_batch
-    first = torch.ones_like(group, dtype=torch.bool)
-    first[1:] = group[1:] != group[:-1]
-    group_index = torch.cumsum(first.to(torch.int64), 0) - 1
-    last = torch.ones_like(first)
-    last[:-1] = first[1:]
-    packed = torch.stack(
-        [seg_start, seg_end, seg_modality, seg_doc, seg_batch, seg_start[first][group_index], seg_end[last][group_index], length]
+        # Visible range: the segment's document (isolated) or its whole batch element (shared).
+        position, group_start, group_first = b * seq_len, b * seq_len, base
+        for index, (size, doc) in enumerate(zip(sizes, documents)):
+            if isolated and index and doc != documents[index - 1]:
+                visible_end += [position] * (base + index - group_first)
+                group_start, group_first = position, base + index
+            visible_start.append(group_start)
+            position += size
+        visible_end += [position] * (base + len(sizes) - group_first)
+    ends = list(accumulate(lengths))
+    starts = [end - size for end, size in zip(ends, lengths)]
+    packed = torch.tensor(
+        [starts, ends, modalities, docs, batch, visible_start, visible_end, lengths], dtype=torch.int64
     ).to(device, non_blocking=True)
-    seg_start, seg_end, seg_modality, seg_doc, seg_batch, visible_start, visible_end, length = packed.unbind(0)
-    count = packed.shape[1]
+    seg_start, seg_end, seg_modality, seg_doc, seg_batch, seg_visible_start, seg_visible_end, length = packed.unbind(0)
     token_segment = torch.repeat_interleave(
-        torch.arange(count, dtype=torch.int32, device=device), length, output_size=len(layouts) * seq_len
+        torch.arange(len(lengths), dtype=torch.int32, device=device), length, output_size=len(layouts) * seq_len
     )
     return LayoutTables(
         batch_size=len(layouts),
@@ -398,9 +421,7 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
         seg_modality=seg_modality,
         seg_doc=seg_doc,
         seg_batch=seg_batch,
-        seg_visible_start=visible_start,
-        seg_visible_end=visible_end,
+        seg_visible_start=seg_visible_start,
+        seg_visible_end=seg_visible_end,
         token_segment=token_segment.view(len(layouts), seq_len),
-        token_modality=seg_modality.to(torch.int32)[token_segment].view(len(layouts), seq_len),
-        token_doc=seg_doc.to(torch.int32)[token_segment].view(len(layouts), seq_len),
     )

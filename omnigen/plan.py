@@ -179,13 +179,9 @@ class Plan:
         return Plan(
             block_m=self.block_m, block_n=self.block_n, batch_size=self.batch_size, seq_len=self.seq_len,
             batched=self.batched, allowed_pairs=self.allowed_pairs, rules_hash=self.rules_hash,
-            tables=self.tables if self.tables.seg_start.device == torch.device(device) else _move_tables(self.tables, device),
+            tables=self.tables if self.tables.seg_start.device == torch.device(device) else self.tables.to(device),
             **moved,
         )
-
-
-def _move_tables(tables: LayoutTables, device: torch.device | str) -> LayoutTables:
-    return LayoutTables(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in tables.__dict__.items()})
 
 
 def _schedule_row(ptr: torch.Tensor, index: torch.Tensor, row: int) -> dict[str, list[int]]:
