@@ -399,13 +399,17 @@ def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) ->
     e_counts = prefix.p[1 : 1 + n_mod][:, col_last] - prefix.p[1 : 1 + n_mod][:, col_first]  # [M, B*nk]
     full_bits = ((e_counts == (col_last - col_first)).long() * bits[:n_mod, None]).sum(0)
     seen_bits = ((e_counts > 0).long() * bits[:n_mod, None]).sum(0)
-    far_row, far_j = _ragged(jf0, jf1)
-    far_col = (far_row // nq) * nk + far_j
+    # Dense over the [rows, kv-tiles] grid: plain elementwise work, no gathers per visited tile.
+    j_all = torch.arange(nk, **i64)
+    in_far = (j_all >= jf0[:, None]) & (j_all < jf1[:, None])  # [B*nq, nk]
+    full_of_row = full_bits.view(B, 1, nk).expand(B, nq, nk).reshape(n_row_tiles, nk)
+    seen_of_row = seen_bits.view(B, 1, nk).expand(B, nq, nk).reshape(n_row_tiles, nk)
     far_kind = torch.where(
-        (row_set[far_row] & ~full_bits[far_col]) == 0,
+        (row_set[:, None] & ~full_of_row) == 0,
         FULL,
-        torch.where((row_set[far_row] & seen_bits[far_col]) == 0, EMPTY, PARTIAL),
+        torch.where((row_set[:, None] & seen_of_row) == 0, EMPTY, PARTIAL),
     )
+    grid = torch.where(in_far, far_kind, EMPTY).to(torch.int8).view(-1)
 
     # ---- near tiles: the rest of each piece's reach, counted exactly ---------------------------
     piece_jf0, piece_jf1 = jf0[row_tile], jf1[row_tile]
@@ -451,8 +455,6 @@ def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) ->
     kind = torch.where((n_above == 0) & (n_allowed == below_or_on) & (n_allowed > 0), CAUSAL, kind)
     kind = torch.where(n_allowed == area, FULL, kind)
 
-    grid = torch.zeros(B * nq * nk, dtype=torch.int8, device=device)
-    grid[far_row * nk + far_j] = far_kind.to(torch.int8)
     grid[tile] = kind.to(torch.int8)
     return grid, allowed_pairs
 
@@ -460,33 +462,23 @@ def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) ->
 def _schedules(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward (per q-tile row) and backward (per kv-tile column) schedules from a [B, nq, nk] kind grid."""
     B, nq, nk = grid.shape
-    rank = torch.zeros(4, dtype=torch.int64, device=grid.device)
-    rank[torch.tensor(SCHEDULE_KINDS, device=grid.device)] = torch.arange(3, device=grid.device)
-    flat = grid.reshape(-1)
-    tile = torch.nonzero(flat).squeeze(1)  # sorted by (b, i, j)
-    fwd_ptr, fwd_kv = _grouped(tile // nk, rank[flat[tile].long()], tile % nk, B * nq)
-    columns = grid.transpose(1, 2).reshape(-1)
-    tile = torch.nonzero(columns).squeeze(1)  # sorted by (b, j, i)
-    bwd_ptr, bwd_q = _grouped(tile // nq, rank[columns[tile].long()], tile % nq, B * nk)
+    fwd_ptr, fwd_kv = _grouped(grid.reshape(B * nq, nk))
+    bwd_ptr, bwd_q = _grouped(grid.transpose(1, 2).reshape(B * nk, nq))
     return fwd_ptr, fwd_kv, bwd_ptr, bwd_q
 
 
-def _grouped(row: torch.Tensor, group: torch.Tensor, index: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR with three groups per row: entries arrive sorted by (row, index); place them by (row, group, index)."""
-    ptr = _offsets(row * 3 + group, n_rows * 3)
-    one_hot = torch.nn.functional.one_hot(group, 3)
-    seen = torch.cumsum(one_hot, 0) - one_hot  # entries of each group before this one
-    per_row = torch.bincount(row * 3 + group, minlength=n_rows * 3).view(n_rows, 3)
-    before_row = torch.cumsum(per_row, 0) - per_row  # entries of each group in earlier rows
-    within = seen.gather(1, group[:, None]).squeeze(1) - before_row[row, group]
-    position = ptr[:-1].long()[row * 3 + group] + within
-    out = torch.empty_like(index, dtype=torch.int32)
-    out[position] = index.to(torch.int32)
-    return ptr, out
-
-
-def _offsets(group: torch.Tensor, n_groups: int) -> torch.Tensor:
-    counts = torch.bincount(group, minlength=n_groups)
-    out = torch.zeros(n_groups + 1, dtype=torch.int32, device=group.device)
-    out[1:] = torch.cumsum(counts, 0)
-    return out
+def _grouped(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR of a [rows, cols] kind grid with three groups per row (SCHEDULE_KINDS order), columns ascending."""
+    n_rows, n_cols = kinds.shape
+    masks = [kinds == kind for kind in SCHEDULE_KINDS]
+    counts = torch.stack([m.sum(1) for m in masks], 1)  # [rows, 3]
+    ptr = torch.zeros(3 * n_rows + 1, dtype=torch.int64, device=kinds.device)
+    ptr[1:] = torch.cumsum(counts.view(-1), 0)
+    out = torch.empty(int(ptr[-1]), dtype=torch.int32, device=kinds.device)
+    for group, mask in enumerate(masks):
+        entry = torch.nonzero(mask.reshape(-1)).squeeze(1)  # sorted by (row, col)
+        row = entry // n_cols
+        earlier_rows = torch.cumsum(counts[:, group], 0) - counts[:, group]  # this group's entries in rows before
+        within = torch.arange(entry.numel(), device=kinds.device) - earlier_rows[row]
+        out[ptr[3 * row + group] + within] = (entry - row * n_cols).to(torch.int32)
+    return ptr.to(torch.int32), out
