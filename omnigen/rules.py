@@ -300,7 +300,10 @@ class Rules:
         """
         if self.kernel is None:
             return self
-        stripped = Rules.from_dict({k: v for k, v in self.to_dict().items() if k != "kernel"}, source=self.source)
+        stripped = self.__dict__.get("_without_kernel")  # asked on every attention() call: keep it
+        if stripped is None:
+            stripped = Rules.from_dict({k: v for k, v in self.to_dict().items() if k != "kernel"}, source=self.source)
+            object.__setattr__(self, "_without_kernel", stripped)
         return stripped
 
     def mask_hash(self, length: int = 16) -> str:
