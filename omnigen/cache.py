@@ -5,6 +5,8 @@ Layout under $OMNIGEN_CACHE_DIR (default ~/.cache/omnigen):
     modules/<module>-<key12>/     one installed variant: <module><EXT_SUFFIX>, meta.json, its sources
     locks/<module>-<key12>.lock   flock targets (the kernel drops a lock when its holder dies, so a
                                   file left behind by a killed build never blocks anyone)
+    tuning.json                   the tuning database (omnigen/tune_db.py says what is in it); written
+                                  whole under locks/tuning.lock, through a temp file and os.replace
     tmp/                          builds in progress (<entry>.<pid>.<random>/), moved into modules/
                                   with os.replace once complete; leftovers of dead processes are removed
 
@@ -29,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from . import __version__
 from .toolchain import (
@@ -198,6 +200,7 @@ class BuildResult:
     built: bool  # False: it was already in the cache
     seconds: float
     meta: dict
+    error: str | None = None  # keep-going builds only: why this variant did not build (nothing installed)
 
 
 def _remove_dead_builds() -> None:
@@ -269,11 +272,14 @@ def build_variants(
     variants: list[Variant],
     jobs: int | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
+    keep_going: bool = False,
 ) -> list[BuildResult]:
     """Make sure every variant is installed: build the missing ones as one parallel ninja graph.
 
     Holds every missing variant's lock (in a fixed order, so two such calls never deadlock) while
     it rechecks, builds and installs; a variant someone else finished meanwhile is just loaded.
+    A failed compile raises BuildError; with `keep_going` the others still build and install, and
+    the failed ones come back with `error` set (the tuner scores them infinity and goes on).
     """
     results: dict[str, BuildResult] = {}
     missing: list[Variant] = []
@@ -293,12 +299,25 @@ def build_variants(
                 else:
                     still_missing.append(v)
             if still_missing:
-                results.update(_build_locked(still_missing, jobs, on_progress))
+                results.update(_build_locked(still_missing, jobs, on_progress, keep_going))
     return [results[v.entry_name] for v in variants]
 
 
+def _failure_summary(build_dir: Path, v: Variant, output: str) -> str:
+    """The compiler's first error line for one variant (its per-object logs), else ninja's FAILED line."""
+    for log in sorted(build_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "error" in line.lower():
+                return line.strip()[:300]
+    for line in output.splitlines():
+        if line.startswith("FAILED:") and str(build_dir) in line:
+            return line.strip()[:300]
+    return "the compile or link step failed (no compiler message)"
+
+
 def _build_locked(variants: list[Variant], jobs: int | None,
-                  on_progress: Callable[[int, int, str], None] | None) -> dict[str, BuildResult]:
+                  on_progress: Callable[[int, int, str], None] | None,
+                  keep_going: bool = False) -> dict[str, BuildResult]:
     _remove_dead_builds()
     tmp = cache_dir() / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -313,11 +332,15 @@ def _build_locked(variants: list[Variant], jobs: int | None,
             build_dirs[v.entry_name] = build_dir
         (root / "build.ninja").write_text(top_ninja(module_files))
         started = time.perf_counter()
-        run_ninja(root, variants[0].toolchain, jobs=jobs, on_progress=on_progress)
+        output = run_ninja(root, variants[0].toolchain, jobs=jobs, on_progress=on_progress, keep_going=keep_going)
         seconds = time.perf_counter() - started
         out = {}
         for v in variants:
-            meta = _install(v, build_dirs[v.entry_name], seconds)
+            build_dir = build_dirs[v.entry_name]
+            if keep_going and not (build_dir / v.extension_file).is_file():
+                out[v.entry_name] = BuildResult(v, False, seconds, {}, error=_failure_summary(build_dir, v, output))
+                continue
+            meta = _install(v, build_dir, seconds)
             out[v.entry_name] = BuildResult(v, True, seconds, meta)
         return out
     finally:
@@ -335,6 +358,44 @@ def get_module(rules: Rules, config: KernelConfig, toolchain: Toolchain | None =
         return _load_entry(v)
     except ImportError as exc:
         raise BuildError(f"{v.entry} was built but does not import: {exc}", str(exc)) from exc
+
+
+# ------------------------------------------------------------------------------------------------
+# the tuning database: one JSON file, {"format": N, "entries": {key: entry}}; tune_db.py owns the
+# meaning of keys and entries, this module only reads and writes the file.
+
+TUNING_FILE = "tuning.json"
+
+
+def tuning_db_path() -> Path:
+    return cache_dir() / TUNING_FILE
+
+
+def read_tuning_db() -> dict[str, dict]:
+    """Every entry of the tuning database (empty when there is none, or it is unreadable: tuning
+    results are an optimisation, never a reason to fail)."""
+    try:
+        data = json.loads(tuning_db_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    return {k: v for k, v in entries.items() if isinstance(v, dict)} if isinstance(entries, dict) else {}
+
+
+def update_tuning_db(new_entries: dict[str, dict], remove: Iterable[str] = ()) -> Path:
+    """Merge entries into the database: read, update, write a temp file, os.replace -- all under one
+    flock, so two processes tuning different shapes both keep their results."""
+    path = tuning_db_path()
+    with module_lock("tuning"):
+        entries = read_tuning_db()
+        for key in remove:
+            entries.pop(key, None)
+        entries.update(new_entries)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        temporary.write_text(json.dumps({"format": 1, "entries": entries}, indent=1, sort_keys=True) + "\n")
+        os.replace(temporary, path)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,7 +426,8 @@ def entries() -> list[EntryInfo]:
 
 
 def clear() -> tuple[int, int]:
-    """Remove every installed module and leftover build; returns (entries removed, bytes freed).
+    """Remove every installed module, leftover build and the tuning database; returns (entries
+    removed, bytes freed) for the modules.
 
     An entry being rebuilt right now keeps its lock; removing the directory under it is safe
     because the builder installs with os.replace afterwards.
@@ -379,10 +441,13 @@ def clear() -> tuple[int, int]:
     tmp = root / "tmp"
     if tmp.is_dir():
         _remove_dead_builds()
+    with module_lock("tuning"):
+        tuning_db_path().unlink(missing_ok=True)
     return removed, freed
 
 
 __all__ = [
     "BuildResult", "EntryInfo", "Variant", "build_variants", "cache_dir", "cache_key", "clear", "entries",
-    "entry_problem", "get_module", "import_extension", "load", "module_lock", "read_meta", "variant",
+    "entry_problem", "get_module", "import_extension", "load", "module_lock", "read_meta", "read_tuning_db",
+    "tuning_db_path", "update_tuning_db", "variant",
 ]

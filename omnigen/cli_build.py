@@ -61,6 +61,50 @@ def _ptxas_cells(meta: dict) -> list[str]:
     return [str(ptxas.get("registers", "?")), f"{spills} B" if ptxas else "?"]
 
 
+def _parse_seq_lens(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        values = tuple(int(word) for word in text.replace(",", " ").split())
+    except ValueError:
+        raise UserError(f"--seq-lens must be whole numbers separated by commas, e.g. 4096,8192, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"--seq-lens must be positive sequence lengths, not {text!r}")
+    return values
+
+
+def _tuning_job(rules: Rules, layouts_file: str | None, seq_lens: tuple[int, ...] | None):
+    """(job, None) when tuning can run here, else (None, why not). A bad --layouts file is an error either way."""
+    from . import tune, tune_db, tune_layouts
+
+    arch = visible_gpu_arch()
+    if arch is None:
+        if layouts_file:
+            tune_layouts.read_layouts_file(layouts_file, rules)  # still report a malformed file
+        return None, "no CUDA GPU is visible here (torch.cuda.is_available() is False)"
+    spec = rules.kernel
+    head_dims = spec.head_dims if spec else (64, 128)
+    dtypes = spec.dtypes if spec else ("bf16",)
+    job = tune.prepare(rules, head_dims, dtypes, arch, tune_db.Device.current(), seq_lens, layouts_file)
+    return job, None
+
+
+def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache.BuildResult]:
+    missing = [v for v in variants if cache.entry_problem(v.entry, v.key) is not None]
+    if not missing:
+        return cache.build_variants(variants, jobs=jobs)
+    # Three compile/link steps per variant; ninja reports finished steps of the whole graph.
+    with click.progressbar(length=3 * len(missing), label=f"building {len(missing)} variant(s)",
+                           show_pos=True) as bar:
+        done = [0]
+
+        def progress(finished: int, total: int, _description: str) -> None:
+            bar.update(max(0, finished - done[0]))
+            done[0] = finished
+
+        return cache.build_variants(variants, jobs=jobs, on_progress=progress, keep_going=keep_going)
+
+
 @cli.command()
 @click.option("--rules", "rules_path", required=True, type=click.Path(dir_okay=False), help="rules YAML file")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
@@ -68,17 +112,34 @@ def _ptxas_cells(meta: dict) -> list[str]:
 @click.option("--arch", "archs", multiple=True,
               help="target arch, e.g. sm_90a (repeatable). Default: the rules' archs, else the visible GPU, "
                    "else $OMNIGEN_ARCH_LIST, else sm_80 and sm_90a")
-@click.option("--tune", is_flag=True, help="benchmark the tile candidates on the visible GPU and keep the winners")
+@click.option("--tune", is_flag=True, help="also build the candidate tiles, time them on the visible GPU and keep "
+                                           "the fastest per shape in the tuning database")
+@click.option("--layouts", "layouts_file", type=click.Path(dir_okay=False), default=None,
+              help="with --tune: time on these layouts (one per line, e.g. 'text:40 image:256 text:24@1') instead "
+                   "of synthetic ones derived from the rules")
+@click.option("--seq-lens", default=None, help="with --tune: sequence lengths to tune (rounded to powers of two; "
+                                               "default 1024,2048,...,32768)")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=None,
+              help="with --tune: round-robin timing rounds per shape (default 8, 3 runs each)")
+@click.option("--retune", is_flag=True, help="with --tune: time again even where the database has the results")
 @click.option("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: $MAX_JOBS or the CPU count)")
 @user_errors
-def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, jobs: int | None) -> None:
-    """Render, compile and cache every kernel variant the rules ask for."""
+def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, layouts_file: str | None,
+          seq_lens: str | None, rounds: int | None, retune: bool, jobs: int | None) -> None:
+    """Render, compile and cache every kernel variant the rules ask for; with --tune, pick the fastest per shape."""
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
+    lengths = _parse_seq_lens(seq_lens)
+    job, skipped = _tuning_job(rules, layouts_file, lengths) if tune else (None, None)
     try:
         toolchain = find_toolchain()
     except ToolchainError as exc:
         raise UserError(str(exc)) from None
+    if job is not None:  # the candidates join the build: one ninja graph for everything
+        for space in job.spaces:
+            for config, reason in space.pruned:
+                click.echo(f"pruned before compiling: {config.label}: {reason}")
+        configs = list(dict.fromkeys(configs + job.configs))
     variants = [cache.variant(rules, config, toolchain) for config in configs]
     click.echo(f"{rules.name}: {len(variants)} variant(s) with {describe_toolchain(toolchain)}")
     click.echo(f"cache: {cache.cache_dir()}")
@@ -91,22 +152,10 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
                 (directory / name).write_text(text)
         click.echo(f"sources written to {directory}")
 
-    missing = [v for v in variants if cache.entry_problem(v.entry, v.key) is not None]
     started = time.perf_counter()
     try:
-        if missing:
-            # Three compile/link steps per variant; ninja reports finished steps of the whole graph.
-            with click.progressbar(length=3 * len(missing), label=f"building {len(missing)} variant(s)",
-                                   show_pos=True) as bar:
-                done = [0]
-
-                def progress(finished: int, total: int, _description: str) -> None:
-                    bar.update(max(0, finished - done[0]))
-                    done[0] = finished
-
-                results = cache.build_variants(variants, jobs=jobs, on_progress=progress)
-        else:
-            results = cache.build_variants(variants, jobs=jobs)
+        # While tuning, a candidate that fails to compile scores infinity; the rest still builds.
+        results = _build_all(variants, jobs, keep_going=job is not None)
     except BuildError as exc:
         raise UserError(str(exc)) from None
     elapsed = time.perf_counter() - started
@@ -114,20 +163,92 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
     rows = []
     for result in results:
         v, meta = result.variant, result.meta
+        if result.error is not None:
+            rows.append([v.config.label, "FAILED", "-", "-", "-", v.module])
+            continue
         size = meta.get("extension_bytes", 0)
         rows.append([v.config.label, "built" if result.built else "cached", *_ptxas_cells(meta),
                      _human_bytes(size), v.module])
     click.echo(_table(["variant", "status", "regs", "spills", "size", "module"], rows))
     built = sum(r.built for r in results)
-    click.echo(f"{built} built, {len(results) - built} from the cache, {elapsed:.1f} s")
+    failed = [r for r in results if r.error is not None]
+    click.echo(f"{built} built, {len(results) - built - len(failed)} from the cache"
+               + (f", {len(failed)} failed" if failed else "") + f", {elapsed:.1f} s")
+    for result in failed:
+        click.echo(f"FAILED to compile {result.variant.config.label} (scores infinity, tuning goes on): {result.error}")
 
-    if tune:
-        arch = visible_gpu_arch()
-        if arch is None:
-            click.echo("tuning skipped: no CUDA GPU is visible here (torch.cuda.is_available() is False). "
-                       "The variants are built; run `omnigen build --tune` on a GPU machine to pick tiles.")
-        else:
-            click.echo(f"tuning skipped: the tuner is not part of this version yet; the default tile is used on {arch}.")
+    if not tune:
+        return
+    if job is None:
+        click.echo(f"tuning skipped: {skipped}. The variants are built; run `omnigen build --tune` on a GPU machine "
+                   "to time the candidates and pick tiles.")
+        return
+    _tune(job, results, rounds, retune)
+
+
+def _tune(job, results: list[cache.BuildResult], rounds: int | None, retune: bool) -> None:
+    from . import tune as tuner
+    from . import tune_timing
+
+    # The build above already holds every candidate: failures and ptxas pruning go into the job.
+    for note in tuner.apply_builds(job, results):
+        click.echo(f"pruned after compiling: {note}")
+    for space in job.spaces:
+        if not any(c.forward for c in space.candidates):
+            raise UserError(f"no candidate of {space.dtype} d{space.head_dim} built and fits (see above): nothing to tune")
+
+    started = time.perf_counter()
+    entries = {} if retune else tuner.reusable(job)
+    if entries:
+        click.echo(f"tuning: reusing {len(entries)} tuned shape(s) from {cache.tuning_db_path()} (same GPU, nvcc, "
+                   "rules, candidates and layouts); pass --retune to time again")
+    else:
+        rounds = rounds or tune_timing.DEFAULT_ROUNDS
+        click.echo(f"tuning on {job.device.gpu} (sm {job.device.capability}, nvcc {job.device.nvcc}): "
+                   f"{sum(len(s.candidates) for s in job.spaces)} candidate(s), {len(job.layouts)} sequence bucket(s), "
+                   f"{job.workload['layouts']} layouts, {rounds} rounds x {tune_timing.DEFAULT_REPS} runs")
+        with click.progressbar(length=tuner.count_steps(job, rounds), label="timing candidates", show_pos=True) as bar:
+            entries = tuner.measure(job, rounds=rounds, on_step=bar.update)
+    for key in sorted(entries, key=lambda k: (entries[k]["dtype"], entries[k]["head_dim"], entries[k]["seq_bucket"])):
+        click.echo("")
+        click.echo(_tuning_table(entries[key]))
+    click.echo("")
+    click.echo(f"tuning results: {cache.tuning_db_path()} ({len(entries)} shape(s); "
+               f"{time.perf_counter() - started:.1f} s). `omnigen cache list` shows them; omnigen.attention and "
+               "omnigen.build use them on this GPU.")
+
+
+def _ms(value, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def _speedup(default_ms, best_ms) -> str:
+    if not isinstance(default_ms, (int, float)) or not isinstance(best_ms, (int, float)) or best_ms <= 0:
+        return "-"
+    return f"{default_ms / best_ms:.2f}x"
+
+
+def _tuning_table(entry: dict) -> str:
+    """One shape bucket: every candidate's times and the winners."""
+    work = entry.get("workload", {})
+    title = (f"{entry['dtype']} d{entry['head_dim']}, S bucket {entry['seq_bucket']} "
+             f"(B={work.get('batch', '?')} x S={work.get('seq_len', '?')}, H={work.get('heads', '?')}, "
+             f"density {work.get('density', '?')}, {work.get('layouts', '?')} layouts)")
+    rows = []
+    for c in entry.get("candidates", []):
+        name = c["tile"] + (" (default)" if c.get("default") else "")
+        note = "" if c.get("status") == "ok" else c.get("status", "")
+        rows.append([name, _ms(c.get("fwd_ms")), _ms(c.get("bwd_ms")), _ms(c.get("fwd_tflops"), 1),
+                     _ms(c.get("bwd_tflops"), 1), c.get("winner") or "", note[:100]])
+    table = _table(["candidate", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s", "winner", "note"], rows)
+    default = entry.get("default", {})
+    forward, backward = entry.get("forward") or {}, entry.get("backward") or {}
+    from .tune_db import describe
+
+    names = describe(entry)
+    summary = (f"-> forward {names['forward']} ({_speedup(default.get('fwd_ms'), forward.get('ms'))} vs default), "
+               f"backward {names['backward']} ({_speedup(default.get('bwd_ms'), backward.get('ms'))} vs default)")
+    return f"{title}\n{table}\n{summary}"
 
 
 @cli.command()
@@ -177,9 +298,10 @@ def cache_group() -> None:
 @cache_group.command(name="list")
 @user_errors
 def cache_list() -> None:
-    """What is built, and how much disk it takes."""
+    """What is tuned and built, and how much disk it takes."""
     found = cache.entries()
     click.echo(f"cache: {cache.cache_dir()}")
+    _list_tuned()
     if not found:
         click.echo("empty")
         return
@@ -195,9 +317,38 @@ def cache_list() -> None:
     click.echo(f"{len(found)} module(s), {_human_bytes(sum(i.bytes for i in found))}")
 
 
+def _list_tuned() -> None:
+    """The tuning database: one row per tuned shape, with what won and whether it still applies."""
+    from .tune_db import describe, staleness, stamp
+
+    db = cache.read_tuning_db()
+    if not db:
+        return
+    current = stamp()
+    rows = []
+    for key, entry in sorted(db.items(), key=lambda item: (item[1].get("rules_name", ""), item[1].get("gpu", ""),
+                                                           str(item[1].get("dtype")), item[1].get("head_dim", 0),
+                                                           item[1].get("seq_bucket", 0))):
+        names, default = describe(entry), entry.get("default") or {}
+        stale = staleness(entry, current)
+        rows.append([entry.get("rules_name", "?"), f"{entry.get('gpu', '?')} (sm {entry.get('capability', '?')})",
+                     f"{entry.get('dtype', '?')} d{entry.get('head_dim', '?')}", str(entry.get("seq_bucket", "?")),
+                     f"{names['forward']} {names['forward_ms']} ms", f"{names['backward']} {names['backward_ms']} ms",
+                     f"{_speedup(default.get('fwd_ms'), (entry.get('forward') or {}).get('ms'))} / "
+                     f"{_speedup(default.get('bwd_ms'), (entry.get('backward') or {}).get('ms'))}",
+                     (entry.get("meta") or {}).get("tuned_at", "?"), "ok" if stale is None else f"stale: {stale}"])
+    click.echo(f"tuned shapes: {cache.tuning_db_path()}")
+    click.echo(_table(["rules", "gpu", "variant", "S", "forward", "backward", "vs default fwd/bwd", "tuned", "state"],
+                      rows))
+    fresh = sum(row[-1] == "ok" for row in rows)
+    click.echo(f"{len(rows)} tuned shape(s), {fresh} current, {len(rows) - fresh} stale (ignored)")
+    click.echo("")
+
+
 @cache_group.command(name="clear")
 @user_errors
 def cache_clear() -> None:
-    """Remove every built module."""
+    """Remove every built module and the tuning database."""
+    tuned = len(cache.read_tuning_db())
     removed, freed = cache.clear()
-    click.echo(f"removed {removed} module(s), {_human_bytes(freed)} from {cache.cache_dir()}")
+    click.echo(f"removed {removed} module(s), {_human_bytes(freed)}, and {tuned} tuned shape(s) from {cache.cache_dir()}")

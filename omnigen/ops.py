@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from . import toolchain
-from . import cache, codegen
+from . import cache, codegen, tune_db
 from .layout import AnyLayout, Layout, LayoutBatch, as_layout
 from .plan import Plan, plan
 from .rules import Rules, TileConfig
@@ -27,35 +27,69 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _PLAN_CACHE_SIZE = 16
 
 
-class Kernel:
-    """One compiled variant (rules x head dim x dtype x arch x tile), callable like a function."""
+def _has_backward(module: Any) -> bool:
+    return bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward")))
 
-    def __init__(self, rules: Rules, config: codegen.KernelConfig, module: Any) -> None:
+
+class Kernel:
+    """The compiled variants of (rules x head dim x dtype x arch), callable like a function.
+
+    `config`/`module` is the default variant. `tuned` maps sequence buckets to the tuner's choice of
+    a forward and a backward config (tune_db.Choice); a call runs the choice of its sequence length's
+    bucket (or the nearest tuned one) and the default where nothing was tuned. Modules of tuned
+    configs are loaded from the cache on first use.
+    """
+
+    def __init__(self, rules: Rules, config: codegen.KernelConfig, module: Any,
+                 tuned: Mapping[int, tune_db.Choice] | None = None) -> None:
         self.rules = rules
         self.config = config
         self.module = module
+        self.tuned: dict[int, tune_db.Choice] = dict(tuned or {})
         self.dtype = next(t for t, name in DTYPE_NAMES.items() if name == config.dtype)
+        self._modules: dict[codegen.KernelConfig, Any] = {config: module}
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._lock = threading.Lock()
+        self._module_lock = threading.Lock()
 
     @property
     def has_backward(self) -> bool:
-        return hasattr(self.module, "backward")
+        return _has_backward(self.module)
 
     def __repr__(self) -> str:
-        return f"omnigen.Kernel({self.module.MODULE_NAME})"
+        tuned = f", tuned for S buckets {sorted(self.tuned)}" if self.tuned else ""
+        return f"omnigen.Kernel({self.module.MODULE_NAME}{tuned})"
 
-    def plan(self, layout: AnyLayout, batch: int, device: torch.device) -> Plan:
-        """The plan for `layout` with this variant's tile shape, reused while the same layout returns."""
+    def choice(self, seq_len: int) -> tune_db.Choice:
+        """The (forward, backward) configs a call with this sequence length runs."""
+        found = tune_db.nearest(self.tuned, seq_len)
+        return found if found is not None else tune_db.Choice(self.config, self.config)
+
+    def module_for(self, config: codegen.KernelConfig) -> Any:
+        """The module of one of this kernel's configs (loaded, or built, on first use)."""
+        module = self._modules.get(config)
+        if module is None:
+            with self._module_lock:
+                module = self._modules.get(config)
+                if module is None:
+                    module = cache.get_module(self.rules, config)
+                    self._modules[config] = module
+        return module
+
+    def plan(self, layout: AnyLayout, batch: int, device: torch.device, tile: TileConfig | None = None) -> Plan:
+        """The plan for `layout` with a tile shape (default: this kernel's), reused while the same layout returns.
+
+        A plan depends only on block_m x block_n, so configs that differ in warps or stages share one."""
+        tile = tile or self.config.tile
         if isinstance(layout, Layout) and batch > 1:
             layout = LayoutBatch([layout] * batch)
-        key = (layout, batch, device)
+        key = (layout, batch, device, tile.block_m, tile.block_n)
         with self._lock:
             found = self._plans.get(key)
             if found is not None:
                 self._plans.move_to_end(key)
                 return found
-        made = plan(self.rules, layout, self.config.tile.block_m, self.config.tile.block_n, device=device)
+        made = plan(self.rules, layout, tile.block_m, tile.block_n, device=device)
         with self._lock:
             self._plans[key] = made
             while len(self._plans) > _PLAN_CACHE_SIZE:
@@ -74,8 +108,9 @@ class Kernel:
         deterministic: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         q, k, v, layout, scale = _check_inputs(self, q, k, v, layout, scale)
-        p = self.plan(layout, q.shape[0], q.device)
-        out, lse = _Attention.apply(q, k, v, self, p, scale, deterministic)
+        choice = self.choice(q.shape[2])
+        p = self.plan(layout, q.shape[0], q.device, choice.forward.tile)
+        out, lse = _Attention.apply(q, k, v, self, layout, choice, p, scale, deterministic)
         return (out, lse) if return_lse else out
 
 
@@ -136,61 +171,88 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+def forward_pass(module: Any, p: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward launch of a built module: (out, lse). Inputs already checked (see Kernel.__call__)."""
+    B, Hq, S, D = q.shape
+    out = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    t = p.tables
+    module.forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        B, Hq, k.shape[1], S, scale,
+        p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(),
+        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
+        _stream(),
+    )
+    return out, lse
+
+
+def backward_pass(module: Any, p: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, d_out: torch.Tensor, scale: float,
+                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a built module -- Delta, dQ/dK/dV kernels, the GQA sums: (dq, dk, dv).
+
+    `p` must be planned with this module's block_m x block_n; out/lse may come from any forward
+    (they do not depend on the tile), which is what lets the forward and backward tiles differ."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    d_out = _kernel_ready(d_out)
+    delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
+    module.backward_delta(
+        out.data_ptr(), d_out.data_ptr(), delta.data_ptr(), *out.stride()[:3], *d_out.stride()[:3], B, Hq, S, _stream()
+    )
+    dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    if Hq == Hkv:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:  # per q-head partial dK/dV, summed over each group of q heads below
+        dk = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+        dv = torch.empty_like(dk)
+    t = p.tables
+    module.backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
+        delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *d_out.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
+        B, Hq, Hkv, S, scale,
+        p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(), p.bwd_ptr.data_ptr(), p.bwd_q.data_ptr(),
+        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
+        deterministic, _stream(),
+    )
+    if Hq != Hkv:
+        dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(k.dtype)
+        dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(v.dtype)
+    return dq_accum.to(q.dtype), dk, dv
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kernel: Kernel, p: Plan, scale: float, deterministic: bool):
-        B, Hq, S, D = q.shape
-        out = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
-        t = p.tables
-        kernel.module.forward(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            B, Hq, k.shape[1], S, scale,
-            p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(),
-            t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-            _stream(),
-        )
+    def forward(ctx, q, k, v, kernel: Kernel, layout: AnyLayout, choice: tune_db.Choice, p: Plan, scale: float,
+                deterministic: bool):
+        out, lse = forward_pass(kernel.module_for(choice.forward), p, q, k, v, scale)
+        # The backward needs only q, k, v, out and lse (not tile-specific), plus the layout to plan for
+        # its own tile shape when the tuner gave it a different one.
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.plan, ctx.scale, ctx.deterministic = kernel, p, scale, deterministic
+        ctx.kernel, ctx.layout, ctx.choice, ctx.plan = kernel, layout, choice, p
+        ctx.scale, ctx.deterministic = scale, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         kernel: Kernel = ctx.kernel
-        if not kernel.has_backward:
-            raise RuntimeError(f"{kernel.module.MODULE_NAME} has no backward kernel; rebuild with a newer omnigen")
+        config: codegen.KernelConfig = ctx.choice.backward
+        module = kernel.module_for(config)
+        if not _has_backward(module):
+            raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
+                               f"{getattr(module, 'BACKWARD_PROBLEM', None) or 'rebuild with a newer omnigen'}")
         q, k, v, out, lse = ctx.saved_tensors
         p: Plan = ctx.plan
-        B, Hq, S, D = q.shape
-        Hkv = k.shape[1]
-        d_out = _kernel_ready(d_out)
-        delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
-        kernel.module.backward_delta(
-            out.data_ptr(), d_out.data_ptr(), delta.data_ptr(), *out.stride()[:3], *d_out.stride()[:3], B, Hq, S, _stream()
-        )
-        dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
-        if Hq == Hkv:
-            dk, dv = torch.empty_like(k), torch.empty_like(v)
-        else:  # per q-head partial dK/dV, summed over each group of q heads below
-            dk = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-            dv = torch.empty_like(dk)
-        t = p.tables
-        kernel.module.backward(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
-            delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *d_out.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3],
-            B, Hq, Hkv, S, ctx.scale,
-            p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(), p.bwd_ptr.data_ptr(), p.bwd_q.data_ptr(),
-            t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-            ctx.deterministic, _stream(),
-        )
-        if Hq != Hkv:
-            dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(k.dtype)
-            dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(v.dtype)
-        return dq_accum.to(q.dtype), dk, dv, None, None, None, None
+        if (p.block_m, p.block_n) != (config.tile.block_m, config.tile.block_n):
+            p = kernel.plan(ctx.layout, q.shape[0], q.device, config.tile)
+        dq, dk, dv = backward_pass(module, p, q, k, v, out, lse, d_out, ctx.scale, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,18 +289,46 @@ def build(
     """Build (or load from the cache) the variant for these rules and return it as a callable kernel.
 
     `arch` defaults to the visible GPU's; `tile` to the first of the rules' `kernel.tiles` that fits,
-    else the default tile for the head dim.
+    else the default tile for the head dim. Without a pinned `tile`, the kernel dispatches each
+    sequence length to the configs the tuning database holds for this GPU (when it holds any);
+    `tune=True` first tunes this head dim and dtype on the visible GPU -- or reuses what an earlier
+    process tuned with the same candidate space (omnigen/tune.py).
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
-    if tune:
-        raise NotImplementedError("tuning is not implemented yet: call omnigen.build(..., tune=False)")
+    if tune and tile is not None:
+        raise ValueError("tune=True picks the tiles itself: pass tile=None, or tune=False to pin a tile")
     config = _variant_config(rules, head_dim, dtype, arch, tile)
-    return Kernel(rules, config, cache.get_module(rules, config))
+    if tune:
+        visible = toolchain.visible_gpu_arch()
+        if visible is None:
+            raise RuntimeError("tune=True needs a CUDA GPU to time the candidates on, and none is visible: "
+                               "build with tune=False here, and tune on the GPU machine")
+        if visible != config.arch:
+            raise ValueError(f"tune=True times on the visible GPU ({visible}); arch={config.arch} cannot be tuned here")
+        from . import tune as tuner
+
+        tuned = tuner.tune_kernel(rules, head_dim, config.dtype)
+    else:
+        tuned = _tuned_choices(rules, config) if tile is None else {}
+    return Kernel(rules, config, cache.get_module(rules, config), tuned=tuned)
+
+
+def _tuned_choices(rules: Rules, config: codegen.KernelConfig) -> dict[int, tune_db.Choice]:
+    """What the tuning database holds for this GPU; nothing when there is no GPU or no matching entry."""
+    if toolchain.visible_gpu_arch() != config.arch:
+        return {}
+    return tune_db.lookup(tune_db.Device.current(), rules, config.dtype, config.head_dim, config.arch)
 
 
 _KERNELS: dict[tuple, Kernel] = {}
 _KERNELS_LOCK = threading.Lock()
+
+
+def forget_kernels() -> None:
+    """Drop attention()'s in-process kernels, so the next call re-reads the tuning database."""
+    with _KERNELS_LOCK:
+        _KERNELS.clear()
 
 
 def attention(

@@ -343,14 +343,17 @@ _STATUS = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
 
 
 def run_ninja(build_dir: Path, toolchain: Toolchain, jobs: int | None = None,
-              on_progress: Callable[[int, int, str], None] | None = None) -> str:
+              on_progress: Callable[[int, int, str], None] | None = None, keep_going: bool = False) -> str:
     """Run ninja in `build_dir`; report [finished/total] edges to on_progress; return the output.
 
     On failure raise BuildError carrying the whole output (ninja prints each failing command and
-    what the compiler said).
+    what the compiler said). With `keep_going`, ninja builds everything that does not depend on a
+    failed step (`-k 0`) and the output is returned instead: the caller sees per target what exists.
     """
     environment = dict(os.environ, NINJA_STATUS="[%f/%t] ")
     command = [toolchain.ninja, "-C", str(build_dir), "-j", str(jobs or max_jobs())]
+    if keep_going:
+        command += ["-k", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=environment, start_new_session=False)
     lines: list[str] = []
@@ -362,7 +365,7 @@ def run_ninja(build_dir: Path, toolchain: Toolchain, jobs: int | None = None,
             on_progress(int(match.group(1)), int(match.group(2)), match.group(3))
     status = process.wait()
     output = "".join(lines)
-    if status != 0:
+    if status != 0 and not keep_going:
         failed = re.findall(r"^FAILED: (.*)$", output, re.MULTILINE)
         raise BuildError(
             f"the build failed in {build_dir} ({len(failed) or 'some'} step(s)). Compiler output:\n\n{output.rstrip()}\n\n"

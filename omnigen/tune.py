@@ -1,0 +1,406 @@
+"""Auto-tuning: for the rules, find the fastest forward and backward config per shape on this GPU, and
+remember it (tune_db). The steps, each its own function so the CLI can show progress between them:
+
+    job = prepare(rules, head_dims, dtypes, arch, device)      # candidate space, layouts per bucket (CPU)
+    reused = reusable(job)                                     # fresh database entries for the same job
+    results = compile_candidates(job)                          # one parallel ninja graph, keep going
+    entries = measure(job, results)                            # verify, time, pick, write the database
+
+The space comes from tune_space (rules' tiles or the default space, pruned before compiling and
+again by ptxas after). Every candidate is verified once before it is timed: against a float64
+reference on a small case of the rules' own layouts (forward and backward), and against the
+default config's output on the timed inputs -- a fast wrong kernel is disqualified, not picked.
+Timing (tune_timing): CUDA events, warm-up, L2 flush, candidates interleaved round-robin, median
+of rounds x reps runs, forward and backward separately. A candidate replaces the default for a
+pass only when its median is more than WIN_MARGIN faster: within the noise the default stays, so
+the tuned choice is never measurably slower than the default of the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from . import cache, tune_db, tune_layouts, tune_space, tune_timing
+from .codegen import KernelConfig
+from .layout import Layout, LayoutBatch
+from .rules import Rules
+from .toolchain import Toolchain
+
+DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768)
+HEADS = 16
+WIN_MARGIN = 0.01  # a candidate must beat the default's median by more than 1% to replace it
+VERIFY_SEQ_LEN = 1000  # not a multiple of any tile: the last q/kv tiles are ragged
+SYNTHETIC_WORKLOAD = "synthetic-v1"
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class ShapeSpace:
+    """The candidates of one (head dim, dtype) and what was pruned before compiling."""
+
+    head_dim: int
+    dtype: str
+    default: KernelConfig
+    candidates: list[tune_space.Candidate]
+    pruned: list[tuple[KernelConfig, str]]
+    failed: dict[KernelConfig, str] = field(default_factory=dict)  # compile failures: score infinity
+
+    @property
+    def labels(self) -> list[str]:
+        return [c.label for c in self.candidates]
+
+
+@dataclass
+class Job:
+    rules: Rules
+    arch: str
+    device: tune_db.Device
+    spaces: list[ShapeSpace]
+    layouts: dict[int, list[Layout]]  # sequence bucket -> the batch timed for it
+    workload: dict[str, Any]
+    heads: int = HEADS
+
+    def key(self, space: ShapeSpace, bucket: int) -> str:
+        return tune_db.entry_key(self.device, self.rules, space.dtype, space.head_dim, bucket)
+
+    @property
+    def configs(self) -> list[KernelConfig]:
+        return [c.config for s in self.spaces for c in s.candidates]
+
+
+def prepare(rules: Rules, head_dims: list[int] | tuple[int, ...], dtypes: list[str] | tuple[str, ...], arch: str,
+            device: tune_db.Device, seq_lens: tuple[int, ...] | list[int] | None = None,
+            layouts_file: str | Path | None = None, tokens: int = tune_layouts.DEFAULT_TOKENS) -> Job:
+    """The whole tuning job, decided on the CPU: spaces per (head dim, dtype), layouts per bucket."""
+    spaces = []
+    for head_dim in head_dims:
+        for dtype in dtypes:
+            candidates, pruned = tune_space.candidate_space(rules, head_dim, dtype, arch)
+            spaces.append(ShapeSpace(head_dim, dtype, tune_space.default_config(rules, head_dim, dtype, arch),
+                                     candidates, pruned))
+    if layouts_file is not None:
+        user = tune_layouts.read_layouts_file(layouts_file, rules)
+        layouts = tune_layouts.bucket_user_layouts(user, tokens)
+        if seq_lens:
+            wanted = {tune_db.seq_bucket(s) for s in seq_lens}
+            layouts = {b: ls for b, ls in layouts.items() if b in wanted}
+        digest = hashlib.sha256("\n".join(str(layout) for layout in user).encode()).hexdigest()[:16]
+        workload = {"layouts": f"file:{digest}", "source": str(layouts_file)}
+    else:
+        buckets = sorted({tune_db.seq_bucket(s) for s in (seq_lens or DEFAULT_SEQ_LENS)})
+        layouts = {b: tune_layouts.synthetic_batch(rules, b, tokens) for b in buckets}
+        workload = {"layouts": SYNTHETIC_WORKLOAD}
+    workload.update(tokens=tokens, heads=HEADS)
+    return Job(rules, arch, device, spaces, layouts, workload)
+
+
+def reusable(job: Job, db: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Mapping[str, Any]]:
+    """Fresh entries for every (shape, bucket) of the job, tuned over the same space and workload; empty
+    unless all of them are there (then nothing needs timing again)."""
+    db = cache.read_tuning_db() if db is None else db
+    current = tune_db.stamp()
+    found = {}
+    for space in job.spaces:
+        for bucket in job.layouts:
+            key = job.key(space, bucket)
+            entry = db.get(key)
+            if (entry is None or tune_db.staleness(entry, current) is not None or entry.get("space") != space.labels
+                    or (entry.get("workload") or {}).get("layouts") != job.workload["layouts"]):
+                return {}
+            found[key] = entry
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling
+
+
+def compile_candidates(job: Job, toolchain: Toolchain | None = None, jobs: int | None = None,
+                       on_progress: Callable[[int, int, str], None] | None = None) -> list[str]:
+    """Build every candidate as one ninja graph, keeping going past failures; then apply_builds()."""
+    variants = [cache.variant(job.rules, config, toolchain) for config in job.configs]
+    results = cache.build_variants(variants, jobs=jobs, on_progress=on_progress, keep_going=True)
+    return apply_builds(job, results)
+
+
+def apply_builds(job: Job, results: list[cache.BuildResult]) -> list[str]:
+    """Record what the build said in the job: a candidate that failed to compile scores infinity (it
+    leaves the timed list, its failure stays in the table); a pass whose kernel spills is pruned
+    (ptxas). Returns one line per candidate pruned here."""
+    by_config = {r.variant.config: r for r in results}
+    notes = []
+    for space in job.spaces:
+        kept = []
+        for candidate in space.candidates:
+            result = by_config[candidate.config]
+            if result.error is not None:
+                space.failed[candidate.config] = result.error
+                continue
+            pruned = tune_space.prune_by_ptxas(candidate, result.meta.get("ptxas") or {})
+            for before, after in ((candidate.forward_problem, pruned.forward_problem),
+                                  (candidate.backward_problem, pruned.backward_problem)):
+                if after != before:
+                    notes.append(f"{candidate.config.label}: {after}")
+            kept.append(pruned)
+        space.candidates = kept
+    return notes
+
+
+def missing_builds(job: Job) -> int:
+    """How many of the job's variants are not in the cache yet (for the progress bar's length)."""
+    return sum(cache.entry_problem(v.entry, v.key) is not None
+               for v in (cache.variant(job.rules, c) for c in job.configs))
+
+
+# ------------------------------------------------------------------------------------------------
+# verifying and timing (CUDA from here on)
+
+
+def _close(got, ref, relative: float = 2e-2, absolute: float = 1e-3) -> str | None:
+    """None when got matches ref (float64) within relative * max|ref| + absolute, else the error found."""
+    import torch
+
+    if torch.isnan(got).any():
+        return "NaN in the output"
+    error = (got.double() - ref.double()).abs().max().item()
+    bound = relative * ref.double().abs().max().item() + absolute
+    return None if error <= bound else f"max error {error:.3g} > {bound:.3g}"
+
+
+def _verification_case(job: Job, head_dim: int, dtype: str):
+    """A small case of the rules' own layouts (B=2, GQA 4:2, S not a multiple of any tile) and its float64
+    reference forward and gradients."""
+    import random
+
+    import torch
+
+    from .ops import DTYPE_NAMES
+    from .reference import attention_reference, attention_reference_grads
+
+    torch_dtype = next(t for t, name in DTYPE_NAMES.items() if name == dtype)
+    rng = random.Random(f"verify:{job.rules.name}")
+    batch = LayoutBatch([tune_layouts.synthetic_layout(job.rules, VERIFY_SEQ_LEN, rng) for _ in range(2)])
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    q = torch.randn(2, 4, VERIFY_SEQ_LEN, head_dim, device="cuda", dtype=torch_dtype, generator=g)
+    k, v = (torch.randn(2, 2, VERIFY_SEQ_LEN, head_dim, device="cuda", dtype=torch_dtype, generator=g) for _ in range(2))
+    d_out = torch.randn_like(q)
+    mask = job.rules.dense_mask(batch, device="cuda")
+    out, lse = attention_reference(q, k, v, mask)
+    grads = attention_reference_grads(q, k, v, mask, d_out)
+    return batch, (q, k, v, d_out), (out, lse), grads
+
+
+def _verify(job: Job, candidate: tune_space.Candidate, module: Any, case) -> tune_space.Candidate:
+    """Check one candidate against the float64 reference; a pass that is wrong is disqualified."""
+    from .ops import backward_pass, forward_pass
+    from .plan import plan
+
+    batch, (q, k, v, d_out), (out_ref, lse_ref), grads_ref = case
+    tile = candidate.config.tile
+    p = plan(job.rules, batch, tile.block_m, tile.block_n, device="cuda")
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    forward_problem, backward_problem = candidate.forward_problem, candidate.backward_problem
+    out, _ = forward_pass(module, p, q, k, v, scale)
+    wrong = _close(out, out_ref)
+    if wrong and candidate.forward:
+        forward_problem = f"wrong forward output vs float64 ({wrong})"
+    if candidate.backward:
+        # The backward is checked on the reference's own forward output: a wrong forward does not
+        # disqualify a correct backward.
+        dq, dk, dv = backward_pass(module, p, q, k, v, out_ref.to(q.dtype), lse_ref.float(), d_out, scale)
+        for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref):
+            wrong = _close(got, ref)
+            if wrong:
+                backward_problem = f"wrong {name} vs float64 ({wrong})"
+                break
+    return replace(candidate, forward_problem=forward_problem, backward_problem=backward_problem)
+
+
+@dataclass
+class _Timed:
+    candidate: tune_space.Candidate
+    module: Any
+    plan: Any  # planned with the candidate's block_m x block_n: its forward and its backward use it
+    fwd_ms: float = math.inf
+    bwd_ms: float = math.inf
+
+
+def _pick(default: str, medians: Mapping[str, float]) -> str | None:
+    """The winner of one pass: the fastest, unless the default is within WIN_MARGIN of it."""
+    finite = {name: ms for name, ms in medians.items() if math.isfinite(ms)}
+    if not finite:
+        return None
+    best = min(finite, key=finite.get)
+    if default in finite and finite[best] > finite[default] * (1 - WIN_MARGIN):
+        return default
+    return best
+
+
+def count_steps(job: Job, rounds: int) -> int:
+    """Progress-bar length of measure(): one step per timing round, forward and backward, per shape."""
+    return len(job.spaces) * len(job.layouts) * 2 * rounds
+
+
+def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune_timing.DEFAULT_REPS,
+            on_step: Progress | None = None, write: bool = True) -> dict[str, dict[str, Any]]:
+    """Verify and time every candidate of every (shape, bucket); pick winners; write the database.
+
+    Returns the new entries by key (tune_db.make_entry)."""
+    import torch
+
+    from .ops import DTYPE_NAMES, backward_pass, forward_pass
+    from .plan import plan
+
+    step = on_step or (lambda _n: None)
+    entries: dict[str, dict[str, Any]] = {}
+    for space in job.spaces:
+        torch_dtype = next(t for t, name in DTYPE_NAMES.items() if name == space.dtype)
+        modules = {c.config: cache.get_module(job.rules, c.config) for c in space.candidates}
+        case = _verification_case(job, space.head_dim, space.dtype)
+        verified = [_verify(job, c, modules[c.config], case) for c in space.candidates]
+        del case
+        scale = 1.0 / math.sqrt(space.head_dim)
+        for bucket, layouts in sorted(job.layouts.items()):
+            batch = LayoutBatch(layouts)
+            B, S, H, D = batch.batch_size, batch.seq_len, job.heads, space.head_dim
+            g = torch.Generator(device="cuda").manual_seed(bucket + D)
+            q, k, v, d_out = (torch.randn(B, H, S, D, device="cuda", dtype=torch_dtype, generator=g) for _ in range(4))
+            plans: dict[tuple[int, int], Any] = {}
+
+            def plan_for(config: KernelConfig):
+                shape = (config.tile.block_m, config.tile.block_n)
+                if shape not in plans:
+                    plans[shape] = plan(job.rules, batch, *shape, device="cuda")
+                return plans[shape]
+
+            timed = {c.label: _Timed(c, modules[c.config], plan_for(c.config)) for c in verified}
+            default_label = space.default.tile.label
+            # The anchor: the default config's results on the timed inputs (the first verified candidate
+            # if the default itself failed); every other candidate must agree with it before it is timed.
+            anchor_fwd = next((t for t in ([timed.get(default_label)] + list(timed.values()))
+                               if t is not None and t.candidate.forward), None)
+            anchor_bwd = next((t for t in ([timed.get(default_label)] + list(timed.values()))
+                               if t is not None and t.candidate.backward), None)
+            problems: dict[str, dict[str, str]] = {label: {} for label in timed}
+            out_ref = lse_ref = None
+            if anchor_fwd is not None:
+                out_ref, lse_ref = forward_pass(anchor_fwd.module, anchor_fwd.plan, q, k, v, scale)
+                for label, t in timed.items():
+                    if t.candidate.forward and t is not anchor_fwd:
+                        wrong = _close(forward_pass(t.module, t.plan, q, k, v, scale)[0], out_ref)
+                        if wrong:
+                            problems[label]["forward"] = f"disagrees with the default on the timed inputs ({wrong})"
+            fwd_functions = {label: (lambda t=t: forward_pass(t.module, t.plan, q, k, v, scale))
+                             for label, t in timed.items() if t.candidate.forward and "forward" not in problems[label]}
+            fwd_times = tune_timing.time_round_robin(fwd_functions, rounds, reps, on_round=lambda _r: step(1))
+            grads_ref = None
+            bwd_functions = {}
+            if anchor_bwd is not None and out_ref is not None:
+                grads_ref = backward_pass(anchor_bwd.module, anchor_bwd.plan, q, k, v, out_ref, lse_ref, d_out, scale)
+                for label, t in timed.items():
+                    if not t.candidate.backward:
+                        continue
+                    if t is not anchor_bwd:
+                        got = backward_pass(t.module, t.plan, q, k, v, out_ref, lse_ref, d_out, scale)
+                        wrong = next((f"{n}: {w}" for n, a, b in zip(("dq", "dk", "dv"), got, grads_ref)
+                                      if (w := _close(a, b))), None)
+                        del got
+                        if wrong:
+                            problems[label]["backward"] = f"disagrees with the default on the timed inputs ({wrong})"
+                            continue
+                    bwd_functions[label] = (lambda t=t: backward_pass(t.module, t.plan, q, k, v, out_ref,
+                                                                      lse_ref, d_out, scale))
+            del grads_ref
+            bwd_times = tune_timing.time_round_robin(bwd_functions, rounds, reps, on_round=lambda _r: step(1))
+
+            pairs = plan_for(space.default).allowed_pairs
+            flops = 4.0 * D * pairs * H
+            rows = []
+            fwd_medians = {label: tune_timing.median(ts) for label, ts in fwd_times.items()}
+            bwd_medians = {label: tune_timing.median(ts) for label, ts in bwd_times.items()}
+            fwd_winner = _pick(default_label, fwd_medians)
+            bwd_winner = _pick(default_label, bwd_medians)
+            for label, t in timed.items():
+                fwd_ms, bwd_ms = fwd_medians.get(label, math.inf), bwd_medians.get(label, math.inf)
+                rows.append(_row(t.candidate, fwd_ms, bwd_ms, flops, problems[label], label == default_label,
+                                 label == fwd_winner, label == bwd_winner))
+            for config, error in space.failed.items():
+                rows.append({"tile": config.tile.label, "fwd_ms": None, "bwd_ms": None, "fwd_tflops": None,
+                             "bwd_tflops": None, "default": config == space.default, "winner": "",
+                             "status": f"failed to compile: {error}"})
+            if fwd_winner is None:
+                continue  # nothing ran: no entry (the default keeps being used)
+            forward = {"tile": tune_db.tile_to_dict(timed[fwd_winner].candidate.config.tile),
+                       "ms": _round(fwd_medians[fwd_winner]), "tflops": _tflops(flops, fwd_medians[fwd_winner])}
+            backward = None
+            if bwd_winner is not None:
+                backward = {"tile": tune_db.tile_to_dict(timed[bwd_winner].candidate.config.tile),
+                            "ms": _round(bwd_medians[bwd_winner]),
+                            "tflops": _tflops(2.5 * flops, bwd_medians[bwd_winner])}
+            default = {"tile": tune_db.tile_to_dict(space.default.tile),
+                       "fwd_ms": _round(fwd_medians.get(default_label, math.inf)),
+                       "bwd_ms": _round(bwd_medians.get(default_label, math.inf))}
+            workload = dict(job.workload, batch=B, seq_len=S, pairs=pairs, density=round(pairs / (B * S * S), 4),
+                            rounds=rounds, reps=reps)
+            key = job.key(space, bucket)
+            entries[key] = tune_db.make_entry(job.device, job.rules, space.dtype, space.head_dim, bucket,
+                                              forward=forward, backward=backward, default=default,
+                                              candidates=rows, space=space.labels, workload=workload)
+            del q, k, v, d_out, out_ref, lse_ref, fwd_functions, bwd_functions, timed, plans
+            torch.cuda.empty_cache()
+    if write and entries:
+        cache.update_tuning_db(entries)
+        from .ops import forget_kernels
+
+        forget_kernels()  # attention() in this process picks the new choices up on its next call
+    return entries
+
+
+def _round(ms: float) -> float | None:
+    return round(ms, 4) if math.isfinite(ms) else None
+
+
+def _tflops(flops: float, ms: float) -> float | None:
+    return round(flops / ms / 1e9, 1) if math.isfinite(ms) and ms > 0 else None
+
+
+def _row(candidate: tune_space.Candidate, fwd_ms: float, bwd_ms: float, flops: float, problems: Mapping[str, str],
+         is_default: bool, fwd_winner: bool, bwd_winner: bool) -> dict[str, Any]:
+    notes = [p for p in (candidate.forward_problem, candidate.backward_problem, problems.get("forward"),
+                         problems.get("backward")) if p]
+    winner = "+".join(w for w, won in (("fwd", fwd_winner), ("bwd", bwd_winner)) if won)
+    return {"tile": candidate.label, "fwd_ms": _round(fwd_ms), "bwd_ms": _round(bwd_ms),
+            "fwd_tflops": _tflops(flops, fwd_ms), "bwd_tflops": _tflops(2.5 * flops, bwd_ms),
+            "default": is_default, "winner": winner, "status": "; ".join(notes) or "ok"}
+
+
+# ------------------------------------------------------------------------------------------------
+# one call for omnigen.build(..., tune=True)
+
+
+def tune_kernel(rules: Rules, head_dim: int, dtype: str, seq_lens: tuple[int, ...] | None = None
+                ) -> dict[int, tune_db.Choice]:
+    """Tune one (head dim, dtype) on the visible GPU -- or reuse the database when it already holds the
+    same job -- and return the kernel's choices per bucket."""
+    from .toolchain import visible_gpu_arch
+
+    arch = visible_gpu_arch()
+    if arch is None:
+        raise RuntimeError("tuning needs a CUDA GPU, and none is visible")
+    device = tune_db.Device.current()
+    job = prepare(rules, [head_dim], [dtype], arch, device, seq_lens)
+    if not reusable(job):
+        compile_candidates(job)
+        if any(c.forward for s in job.spaces for c in s.candidates):
+            measure(job)
+    return tune_db.lookup(device, rules, dtype, head_dim, arch)
+
+
+__all__ = ["DEFAULT_SEQ_LENS", "Job", "ShapeSpace", "apply_builds", "compile_candidates", "count_steps", "measure", "missing_builds",
+           "prepare", "reusable", "tune_kernel"]

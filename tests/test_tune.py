@@ -1,0 +1,419 @@
+"""The tuner without a GPU: candidate space and pruning, the database (keys, staleness, locking),
+layouts for timing, keep-going builds, kernel dispatch, and `omnigen build --tune` on a CPU machine.
+
+Builds here use tests/fake_toolchain.py (shell-script compilers): milliseconds, no nvcc.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import omnigen
+from omnigen import cache, codegen, ops, tune, tune_db, tune_layouts, tune_space, tune_timing
+from omnigen.cli import _register as register_commands
+from omnigen.cli import cli
+from omnigen.codegen import KernelConfig
+from omnigen.rules import TileConfig
+
+from fake_toolchain import fake_toolchain
+
+register_commands()
+REPO = Path(__file__).resolve().parent.parent
+RULES = omnigen.Rules(name="tunetest", modalities={"text": "causal", "image": "full"})
+DEVICE = tune_db.Device("NVIDIA Test GPU", "9.0", "13.0.88")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# ------------------------------------------------------------------------------------------------
+# the candidate space
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_space_only_holds_tiles_the_templates_take(head_dim):
+    candidates, pruned = tune_space.candidate_space(RULES, head_dim, "bf16", "sm_90a")
+    assert not pruned, pruned
+    assert candidates[0].config == KernelConfig(head_dim, "bf16", "sm_90a", codegen.default_tile(head_dim))
+    assert len(candidates) == len(tune_space.DEFAULT_SPACE[head_dim]) >= 4
+    for c in candidates:
+        assert not c.config.problems()
+        assert c.backward == (not c.config.backward_problems())
+    if head_dim == 256:
+        assert not any(c.backward for c in candidates)  # no d256 backward kernel: forward-only candidates
+    else:
+        assert all(c.backward for c in candidates)
+        assert TileConfig(128, 128, 8, 2) in {c.config.tile for c in candidates}
+
+
+def test_space_is_pruned_per_arch_before_compiling():
+    candidates, pruned = tune_space.candidate_space(RULES, 128, "bf16", "sm_80")
+    labels = {c.label for c in candidates}
+    assert "m128n128w8s2" not in labels
+    reasons = {config.tile.label: why for config, why in pruned}
+    assert "shared memory" in reasons["m128n128w8s2"] and "sm_80" in reasons["m128n128w8s2"]
+    # 64x128 fits sm_80's forward but not its backward: a forward-only candidate
+    narrow = next(c for c in candidates if c.label == "m64n128w4s2")
+    assert narrow.forward and not narrow.backward and "shared memory" in narrow.backward_problem
+
+
+def test_rules_tiles_replace_the_default_space_and_the_default_stays_first():
+    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "kernel": {"tiles": [
+        {"block_m": 128, "block_n": 256, "warps": 4, "stages": 4},  # does not fit: pruned
+        {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2},
+        {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2}]}})
+    candidates, pruned = tune_space.candidate_space(rules, 128, "bf16", "sm_90a")
+    assert [c.label for c in candidates] == ["m64n64w4s2", "m128n128w8s2"]  # the first that fits is the default
+    assert [config.tile.label for config, _ in pruned] == ["m128n256w4s4"]
+    assert tune_space.default_config(rules, 128, "bf16", "sm_90a").tile == TileConfig(64, 64, 4, 2)
+    assert ops._variant_config(rules, 128, torch.bfloat16, "sm_90a", None).tile == TileConfig(64, 64, 4, 2)
+
+
+def test_ptxas_spills_prune_only_the_pass_that_spills():
+    candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90a"))
+    report = {"kernels": {
+        "_ZN3ns14forward_kernelE11ForwardArgs": {"spill_store_bytes": 0, "spill_load_bytes": 0},
+        "_ZN3ns11dkdv_kernelE12BackwardArgs": {"spill_store_bytes": 8, "spill_load_bytes": 8},
+        "_ZN3ns9dq_kernelE12BackwardArgs": {"spill_store_bytes": 64, "spill_load_bytes": 64}}}
+    pruned = tune_space.prune_by_ptxas(candidate, report)
+    assert pruned.forward and not pruned.backward and "16 B" in pruned.backward_problem
+    # the deterministic dQ kernel is not what the tuner times: its spills do not prune
+    report["kernels"]["_ZN3ns11dkdv_kernelE12BackwardArgs"] = {"spill_store_bytes": 0}
+    assert tune_space.prune_by_ptxas(candidate, report) == candidate
+    assert tune_space.prune_by_ptxas(candidate, {}) == candidate  # no report: nothing to prune on
+
+
+# ------------------------------------------------------------------------------------------------
+# the database
+
+
+@pytest.mark.parametrize("length,bucket", [(1, 16), (16, 16), (1000, 1024), (1024, 1024), (1448, 1024), (1449, 2048),
+                                           (2800, 2048), (3000, 4096), (32768, 32768), (40000, 32768)])
+def test_sequence_buckets(length, bucket):
+    assert tune_db.seq_bucket(length) == bucket
+
+
+def test_keys_name_every_field_and_ignore_the_kernel_section():
+    base = tune_db.entry_key(DEVICE, RULES, "bf16", 128, 8192)
+    variants = [
+        tune_db.entry_key(tune_db.Device("NVIDIA H100", "9.0", "13.0.88"), RULES, "bf16", 128, 8192),
+        tune_db.entry_key(tune_db.Device(DEVICE.gpu, "8.0", "13.0.88"), RULES, "bf16", 128, 8192),
+        tune_db.entry_key(tune_db.Device(DEVICE.gpu, "9.0", "12.8.93"), RULES, "bf16", 128, 8192),
+        tune_db.entry_key(DEVICE, omnigen.Rules(name="tunetest", modalities={"text": "causal"}), "bf16", 128, 8192),
+        tune_db.entry_key(DEVICE, RULES, "fp16", 128, 8192),
+        tune_db.entry_key(DEVICE, RULES, "bf16", 64, 8192),
+        tune_db.entry_key(DEVICE, RULES, "bf16", 128, 16384),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+    with_kernel = omnigen.Rules.from_dict({**RULES.to_dict(), "kernel": {"head_dims": [128]}})
+    assert tune_db.entry_key(DEVICE, with_kernel, "bf16", 128, 8192) == base
+
+
+def _entry(bucket=8192, forward=TileConfig(128, 64, 4, 2), backward=TileConfig(128, 128, 8, 2), head_dim=128,
+           dtype="bf16", space=("m128n64w4s2", "m128n128w8s2")):
+    row = {"tile": "m128n64w4s2", "fwd_ms": 1.0, "bwd_ms": 3.0, "status": "ok", "default": True, "winner": "fwd"}
+    return tune_db.make_entry(
+        DEVICE, RULES, dtype, head_dim, bucket,
+        forward={"tile": tune_db.tile_to_dict(forward), "ms": 1.0, "tflops": 300.0},
+        backward={"tile": tune_db.tile_to_dict(backward), "ms": 2.7, "tflops": 250.0},
+        default={"tile": tune_db.tile_to_dict(TileConfig(128, 64, 4, 2)), "fwd_ms": 1.0, "bwd_ms": 3.0},
+        candidates=[row], space=list(space), workload={"layouts": tune.SYNTHETIC_WORKLOAD},
+    )
+
+
+def test_staleness():
+    entry = _entry()
+    assert tune_db.staleness(entry) is None
+    assert "templates changed" in tune_db.staleness({**entry, "meta": {**entry["meta"], "templates": "0" * 16}})
+    assert "omnigen 0.0.1" in tune_db.staleness({**entry, "meta": {**entry["meta"], "omnigen": "0.0.1"}})
+    assert "format" in tune_db.staleness({**entry, "meta": {**entry["meta"], "format": 0}})
+    assert tune_db.staleness({k: v for k, v in entry.items() if k != "meta"}) == "no metadata"
+    assert "no forward winner" in tune_db.staleness({**entry, "forward": None})
+
+
+def test_database_round_trip_lookup_and_stale_entries_ignored(cache_dir):
+    fresh = {tune_db.entry_key(DEVICE, RULES, "bf16", 128, b): _entry(b) for b in (4096, 16384)}
+    stale_key = tune_db.entry_key(DEVICE, RULES, "bf16", 128, 1024)
+    stale = _entry(1024, forward=TileConfig(64, 64, 4, 2))
+    stale["meta"]["templates"] = "f" * 16
+    other_gpu = tune_db.entry_key(tune_db.Device("Other", "9.0", "13.0.88"), RULES, "bf16", 128, 2048)
+    path = cache.update_tuning_db({**fresh, stale_key: stale, other_gpu: _entry(2048)})
+    assert path == cache_dir / "tuning.json" and json.loads(path.read_text())["format"] == 1
+    found = tune_db.entries_for(DEVICE, RULES, "bf16", 128)
+    assert sorted(found) == [4096, 16384]  # the stale entry and the other GPU's are not used
+    choices = tune_db.lookup(DEVICE, RULES, "bf16", 128, "sm_90a")
+    assert choices[4096].forward == KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 64, 4, 2))
+    assert choices[4096].backward.tile == TileConfig(128, 128, 8, 2)
+    assert tune_db.nearest(choices, 1024) is choices[4096]  # below every tuned bucket: the nearest
+    assert tune_db.nearest(choices, 10000) is choices[16384]  # 8192 is equally far from 4096 and 16384: up
+    assert tune_db.nearest(choices, 5000) is choices[4096]
+    assert tune_db.nearest({}, 4096) is None
+    assert tune_db.lookup(DEVICE, RULES, "bf16", 64, "sm_90a") == {}
+
+
+def test_choices_skip_winners_that_cannot_be_built():
+    entries = {1024: _entry(forward=TileConfig(128, 128, 8, 2)),  # 168 KB of shared memory: too big for sm_80
+               2048: _entry(backward=TileConfig(64, 128, 4, 2)),  # sm_80: forward fits, backward does not
+               4096: _entry(head_dim=256, forward=TileConfig(64, 32, 4, 2), backward=TileConfig(64, 32, 4, 2))}
+    found = tune_db.choices({b: entries[b] for b in (1024, 2048)}, 128, "bf16", "sm_80")
+    assert 1024 not in found
+    assert found[2048].backward == found[2048].forward  # a backward winner without a backward kernel falls back
+    assert tune_db.choices({4096: entries[4096]}, 256, "bf16", "sm_90a")[4096].forward.tile == TileConfig(64, 32, 4, 2)
+
+
+def test_corrupt_database_is_ignored_then_replaced(cache_dir):
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "tuning.json").write_text("{ not json")
+    assert cache.read_tuning_db() == {}
+    key = tune_db.entry_key(DEVICE, RULES, "bf16", 128, 4096)
+    cache.update_tuning_db({key: _entry(4096)})
+    assert list(cache.read_tuning_db()) == [key]
+    assert not list(cache_dir.glob("tuning.json.*.tmp"))  # the temp file was moved into place
+
+
+def test_concurrent_writers_keep_every_entry(cache_dir):
+    keys = [tune_db.entry_key(DEVICE, RULES, "bf16", 64, 1 << (10 + i)) for i in range(8)]
+    threads = [threading.Thread(target=cache.update_tuning_db, args=({key: _entry()},)) for key in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(cache.read_tuning_db()) == sorted(keys)
+
+
+def test_reuse_needs_every_bucket_fresh_with_the_same_space_and_layouts(cache_dir):
+    job = tune.prepare(RULES, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[2048, 4096], tokens=8192)
+    space = job.spaces[0]
+    assert sorted(job.layouts) == [2048, 4096] and [c.label for c in space.candidates] == space.labels
+    entries = {job.key(space, b): _entry(b, head_dim=64, space=space.labels) for b in (2048, 4096)}
+    assert tune.reusable(job, entries) == entries
+    assert tune.reusable(job, {k: v for k, v in entries.items() if "S4096" not in k}) == {}
+    changed = {k: {**v, "space": space.labels[:2]} for k, v in entries.items()}
+    assert tune.reusable(job, changed) == {}  # the rules' tiles changed: tune again
+    other = {k: {**v, "workload": {"layouts": "file:abc"}} for k, v in entries.items()}
+    assert tune.reusable(job, other) == {}
+
+
+# ------------------------------------------------------------------------------------------------
+# layouts
+
+
+@pytest.mark.parametrize("name", ["transfusion", "three_modalities", "share_question", "causal_documents",
+                                  "sliding_window"])
+def test_synthetic_layouts_follow_the_rules(name):
+    rules = omnigen.Rules.load(REPO / "examples" / "rules" / f"{name}.yaml")
+    batch = tune_layouts.synthetic_batch(rules, 4096, tokens=16384)
+    assert len(batch) == 4 and all(layout.seq_len == 4096 for layout in batch)
+    assert batch == tune_layouts.synthetic_batch(rules, 4096, tokens=16384)  # deterministic
+    for layout in batch:
+        segments = layout.segments
+        assert {s.modality for s in segments} <= set(rules.modality_names)
+        for s in segments[:-1]:  # the last one is cut to fit
+            modality = rules.modality(s.modality)
+            if len(rules.modalities) == 1:
+                assert tune_layouts.DOCUMENT_LENGTHS[0] <= s.length <= tune_layouts.DOCUMENT_LENGTHS[1]
+            elif modality.causal:
+                assert tune_layouts.CAUSAL_LENGTHS[0] <= s.length <= tune_layouts.CAUSAL_LENGTHS[1]
+            else:
+                assert s.length in tune_layouts.FULL_LENGTHS
+    docs = {s.doc for s in batch[0].segments}
+    assert (len(docs) > 1) == (len(rules.modalities) == 1)  # single-modality rules: packed documents
+    if len(rules.modalities) > 1:  # modalities alternate in declared order
+        names = [s.modality for s in batch[0].segments]
+        assert names[: len(rules.modalities)] == list(rules.modality_names)
+
+
+def test_layouts_file(tmp_path):
+    path = tmp_path / "layouts.txt"
+    path.write_text("# my training mix\n\ntext:40 image:256 text:24@1   # 320 tokens\ntext:300\ntext:1000 image:1024\n")
+    layouts = tune_layouts.read_layouts_file(path, RULES)
+    assert [layout.seq_len for layout in layouts] == [320, 300, 2024]
+    buckets = tune_layouts.bucket_user_layouts(layouts, tokens=4096)
+    assert sorted(buckets) == [256, 2048]
+    assert len(buckets[256]) == 4096 // 320 and {layout.seq_len for layout in buckets[256]} == {320}  # padded
+    assert buckets[256][1].segments[-1] == omnigen.Segment("pad", 20, 0)
+    assert len(buckets[2048]) == 2
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("text:40\ntext:forty\n", ":2: cannot read layout segment 'text:forty'"),
+    ("text:40 audio:10\n", ":1: modality 'audio' is not declared by the rules 'tunetest'"),
+    ("# nothing\n\n", "no layouts found. Expected one layout per line"),
+    ("text:0\n", ":1: segment 0 (text): length must be an integer >= 1"),
+])
+def test_bad_layouts_file_names_file_line_and_expectation(tmp_path, text, fragment):
+    path = tmp_path / "mine.txt"
+    path.write_text(text)
+    with pytest.raises(tune_layouts.LayoutsFileError) as caught:
+        tune_layouts.read_layouts_file(path, RULES)
+    assert str(caught.value).startswith(str(path)) and fragment in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing order and picking
+
+
+def test_round_robin_rotates_so_nobody_always_runs_first():
+    names = ["a", "b", "c"]
+    orders = [tune_timing.rotation(names, r) for r in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert {order[0] for order in orders} == set(names) and {order[-1] for order in orders} == set(names)
+
+
+def test_a_candidate_must_beat_the_default_by_the_margin():
+    assert tune._pick("d", {"d": 10.0, "x": 9.95}) == "d"  # within 1%: noise, keep the default
+    assert tune._pick("d", {"d": 10.0, "x": 9.5}) == "x"
+    assert tune._pick("d", {"d": float("inf"), "x": 12.0}) == "x"  # the default was disqualified
+    assert tune._pick("d", {"x": float("inf")}) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# building candidates: one ninja graph that keeps going
+
+
+def test_failed_candidate_scores_infinity_and_the_rest_builds(cache_dir, tmp_path, monkeypatch):
+    toolchain = fake_toolchain(tmp_path / "tools")
+    job = tune.prepare(RULES, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[1024])
+    original = cache.variant
+
+    def planting(rules, config, _toolchain=None):
+        v = original(rules, config, toolchain)
+        kernel = next(name for name in v.sources if name.endswith(".cu") and "backward" not in name)
+        if config.tile == TileConfig(64, 64, 4, 2):
+            v.sources[kernel] += "\n// PLANTED_FAILURE\n"
+        if config.tile == TileConfig(128, 64, 4, 3):
+            v.sources[kernel] += "\n// PLANTED_SPILL\n"
+        return v
+
+    monkeypatch.setattr(cache, "variant", planting)
+    notes = tune.compile_candidates(job, toolchain, jobs=2)
+    space = job.spaces[0]
+    assert list(space.failed) == [KernelConfig(64, "bf16", "sm_90a", TileConfig(64, 64, 4, 2))]
+    assert "error: planted failure" in next(iter(space.failed.values()))
+    assert len(space.candidates) == len(tune_space.DEFAULT_SPACE[64]) - 1
+    spilled = next(c for c in space.candidates if c.config.tile == TileConfig(128, 64, 4, 3))
+    assert not spilled.forward and spilled.backward and notes == [f"{spilled.config.label}: {spilled.forward_problem}"]
+    installed = list((cache_dir / "modules").iterdir())
+    assert len(installed) == len(tune_space.DEFAULT_SPACE[64]) - 1
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch
+
+
+class _Module:
+    def __init__(self, name):
+        self.MODULE_NAME = name
+        self.HAS_BACKWARD = True
+
+
+def test_kernel_dispatches_per_bucket_and_plans_per_tile_shape(monkeypatch):
+    default = KernelConfig(64, "bf16", "sm_90a")
+    wide = KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 128, 8, 2))
+    deep = KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 64, 4, 3))
+    tuned = {4096: tune_db.Choice(default, wide), 16384: tune_db.Choice(wide, wide)}
+    kernel = ops.Kernel(RULES, default, _Module("default"), tuned=tuned)
+    assert kernel.choice(4000) == tuned[4096] and kernel.choice(30000) == tuned[16384]
+    assert ops.Kernel(RULES, default, _Module("default")).choice(4096) == tune_db.Choice(default, default)
+    loaded = []
+    monkeypatch.setattr(ops.cache, "get_module", lambda rules, config: loaded.append(config) or _Module(config.label))
+    assert kernel.module_for(default).MODULE_NAME == "default" and kernel.module_for(wide).MODULE_NAME == wide.label
+    kernel.module_for(wide)
+    assert loaded == [wide]  # loaded once, then kept
+    layout = omnigen.Layout.parse("text:100 image:256 text:50")
+    p_default = kernel.plan(layout, 1, torch.device("cpu"))
+    assert (p_default.block_m, p_default.block_n) == (128, 64)
+    assert kernel.plan(layout, 1, torch.device("cpu"), deep.tile) is p_default  # same block shape: one plan
+    p_wide = kernel.plan(layout, 1, torch.device("cpu"), wide.tile)
+    assert (p_wide.block_m, p_wide.block_n) == (128, 128)
+
+
+def test_build_tune_without_a_gpu_says_why(monkeypatch):
+    monkeypatch.setattr(ops.toolchain, "visible_gpu_arch", lambda: None)
+    with pytest.raises(RuntimeError, match="tune=True needs a CUDA GPU"):
+        omnigen.build(RULES, head_dim=64, tune=True, arch="sm_80")
+    with pytest.raises(ValueError, match="tune=True picks the tiles itself"):
+        omnigen.build(RULES, head_dim=64, tune=True, arch="sm_80", tile=TileConfig(64, 64, 4, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line without a GPU
+
+
+def _no_gpu(monkeypatch, tmp_path):
+    import omnigen.cli_build as cli_build
+
+    toolchain = fake_toolchain(tmp_path / "tools")
+    monkeypatch.setattr(cli_build, "visible_gpu_arch", lambda: None)
+    monkeypatch.setattr(cli_build, "find_toolchain", lambda: toolchain)
+    monkeypatch.setattr(cache, "find_toolchain", lambda: toolchain)
+
+
+def test_cli_tune_without_a_gpu_builds_says_why_and_exits_0(cache_dir, tmp_path, monkeypatch):
+    _no_gpu(monkeypatch, tmp_path)
+    rules = str(REPO / "examples" / "rules" / "transfusion.yaml")
+    result = CliRunner().invoke(cli, ["build", "--rules", rules, "--arch", "sm_80", "--tune"])
+    assert result.exit_code == 0, result.output
+    assert "2 built" in result.output
+    assert "tuning skipped: no CUDA GPU is visible here" in result.output
+    assert not (cache_dir / "tuning.json").exists()
+
+
+def test_cli_bad_layouts_file_exits_2_with_file_and_line(cache_dir, tmp_path, monkeypatch):
+    _no_gpu(monkeypatch, tmp_path)
+    layouts = tmp_path / "layouts.txt"
+    layouts.write_text("text:40 image:256\ntext:40 video:20\n")
+    rules = str(REPO / "examples" / "rules" / "transfusion.yaml")
+    result = CliRunner().invoke(cli, ["build", "--rules", rules, "--arch", "sm_80", "--tune", "--layouts", str(layouts)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())  # the message is wrapped at 100 columns
+    assert f"{layouts}:2: modality 'video' is not declared" in said and "Traceback" not in said
+    bad = CliRunner().invoke(cli, ["build", "--rules", rules, "--tune", "--seq-lens", "4k"])
+    assert bad.exit_code == 2 and "--seq-lens must be whole numbers" in bad.output
+
+
+def test_cache_list_shows_tuned_shapes_and_stale_ones(cache_dir):
+    stale = _entry(1024)
+    stale["meta"]["templates"] = "f" * 16
+    cache.update_tuning_db({tune_db.entry_key(DEVICE, RULES, "bf16", 128, 8192): _entry(8192),
+                            tune_db.entry_key(DEVICE, RULES, "bf16", 128, 1024): stale})
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["cache", "list"])
+    assert listed.exit_code == 0, listed.output
+    assert "tuned shapes:" in listed.output and "NVIDIA Test GPU (sm 9.0)" in listed.output
+    line = next(line for line in listed.output.splitlines() if " 8192 " in line)
+    assert "m128n64w4s2 1.000 ms" in line and "m128n128w8s2 2.700 ms" in line and "1.00x / 1.11x" in line
+    assert "stale: kernel templates changed" in listed.output and "2 tuned shape(s), 1 current, 1 stale" in listed.output
+    cleared = runner.invoke(cli, ["cache", "clear"])
+    assert cleared.exit_code == 0 and "2 tuned shape(s)" in cleared.output
+    assert cache.read_tuning_db() == {}
+
+
+def test_tuning_table_shows_candidates_winners_and_speedups():
+    from omnigen.cli_build import _tuning_table
+
+    entry = _entry(8192)
+    entry["workload"].update(batch=4, seq_len=8192, heads=16, density=0.51)
+    entry["candidates"] = [
+        {"tile": "m128n64w4s2", "fwd_ms": 3.84, "bwd_ms": 13.0, "fwd_tflops": 291.0, "bwd_tflops": 215.0,
+         "default": True, "winner": "fwd", "status": "ok"},
+        {"tile": "m128n128w8s2", "fwd_ms": 4.03, "bwd_ms": 12.01, "fwd_tflops": 277.0, "bwd_tflops": 233.0,
+         "default": False, "winner": "bwd", "status": "ok"},
+        {"tile": "m64n64w4s2", "fwd_ms": None, "bwd_ms": None, "fwd_tflops": None, "bwd_tflops": None,
+         "default": False, "winner": "", "status": "failed to compile: error: x"},
+    ]
+    entry["forward"]["ms"], entry["backward"]["ms"] = 3.84, 12.01
+    entry["default"].update(fwd_ms=3.84, bwd_ms=13.0)
+    text = _tuning_table(entry)
+    assert "bf16 d128, S bucket 8192 (B=4 x S=8192, H=16, density 0.51" in text
+    assert "m128n64w4s2 (default)" in text and "failed to compile: error: x" in text
+    assert "forward m128n64w4s2 (1.00x vs default), backward m128n128w8s2 (1.08x vs default)" in text
