@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterable, NamedTuple, Sequence, Union
 
+import numpy as np
 import torch
 
 from .rules import PAD, Rules
@@ -85,28 +86,28 @@ class LayoutTables:
 class Layout:
     """One sequence of segments: `Layout.from_segments([("text", 40), ("image", 256), ("text", 24, 1)])`."""
 
-    __slots__ = ("segments", "_tables")
+    __slots__ = ("segments", "_tables", "_seq_len", "_modalities")
 
     def __init__(self, segments: Iterable[Segment]) -> None:
         self.segments: tuple[Segment, ...] = tuple(segments)
         self._tables: dict = {}
-        _check_segments(self.segments)
+        self._seq_len = _check_segments(self.segments)
+        self._modalities: frozenset[str] | None = None
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
     def from_segments(cls, items: Iterable[SegmentLike]) -> "Layout":
         segments = []
+        make = Segment._make
         for index, item in enumerate(items):
-            if isinstance(item, Segment):
-                segments.append(item)
-                continue
-            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-                raise ValueError(
-                    f"segment {index} is {item!r}; write (modality, length) or (modality, length, document)"
-                )
-            modality, length, *doc = item
-            segments.append(Segment(modality, length, doc[0] if doc else 0))
+            if type(item) is not Segment:
+                if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+                    raise ValueError(
+                        f"segment {index} is {item!r}; write (modality, length) or (modality, length, document)"
+                    )
+                item = make(item) if len(item) == 3 else Segment(item[0], item[1])
+            segments.append(item)
         return cls(segments)
 
     @classmethod
@@ -136,7 +137,7 @@ class Layout:
 
     @property
     def seq_len(self) -> int:
-        return sum(s.length for s in self.segments)
+        return self._seq_len
 
     @property
     def batch_size(self) -> int:
@@ -147,8 +148,10 @@ class Layout:
         return (self,)
 
     @property
-    def modalities(self) -> set[str]:
-        return {s.modality for s in self.segments}
+    def modalities(self) -> frozenset[str]:
+        if self._modalities is None:
+            self._modalities = frozenset(s.modality for s in self.segments)
+        return self._modalities
 
     def starts(self) -> list[int]:
         out, position = [], 0
@@ -342,7 +345,8 @@ def _unreadable(word: str) -> str:
 _GOOD_MODALITY_NAMES: set[str] = set()  # names already checked against _MODALITY_RE
 
 
-def _check_segments(segments: tuple[Segment, ...]) -> None:
+def _check_segments(segments: tuple[Segment, ...]) -> int:
+    """Raise ValueError on the first bad segment; return the number of tokens."""
     if not segments:
         raise ValueError("a layout needs at least one segment")
     previous_doc = 0
@@ -365,6 +369,7 @@ def _check_segments(segments: tuple[Segment, ...]) -> None:
         total += length
     if total > MAX_SEQ_LEN:  # kernels index tokens with 32-bit integers
         raise ValueError(f"a layout may have at most {MAX_SEQ_LEN} tokens, this one has {total}")
+    return total
 
 
 def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str | None) -> LayoutTables:
@@ -378,7 +383,7 @@ def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str |
 
 
 def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.device) -> LayoutTables:
-    """Segment tables are made in plain Python (they are small) and moved in one copy; token tables on `device`."""
+    """Segment tables are made in plain Python (they are small), the token table with numpy; one copy to `device`."""
     seq_len = layouts[0].seq_len
     ids = {name: rules.modality_id(name) for name in set().union(*(layout.modalities for layout in layouts))}
     lengths: list[int] = []
@@ -406,13 +411,20 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
         visible_end += [position] * (base + len(sizes) - group_first)
     ends = list(accumulate(lengths))
     starts = [end - size for end, size in zip(ends, lengths)]
-    packed = torch.tensor(
-        [starts, ends, modalities, docs, batch, visible_start, visible_end, lengths], dtype=torch.int64
-    ).to(device, non_blocking=True)
-    seg_start, seg_end, seg_modality, seg_doc, seg_batch, seg_visible_start, seg_visible_end, length = packed.unbind(0)
-    token_segment = torch.repeat_interleave(
-        torch.arange(len(lengths), dtype=torch.int32, device=device), length, output_size=len(layouts) * seq_len
+    # One host buffer, one copy: 7 int64 segment rows, then (256-byte aligned, as an allocation
+    # would be) the int32 token -> segment table.
+    n_segments, n_tokens = len(lengths), len(layouts) * seq_len
+    token_offset = -(-7 * n_segments // 32) * 32
+    host = np.empty(token_offset + (n_tokens + 1) // 2, dtype=np.int64)
+    host[: 7 * n_segments] = np.array(
+        [starts, ends, modalities, docs, batch, visible_start, visible_end], dtype=np.int64
+    ).reshape(-1)
+    host[token_offset:].view(np.int32)[:n_tokens] = np.repeat(np.arange(n_segments, dtype=np.int32), lengths)
+    packed = torch.from_numpy(host).to(device)
+    seg_start, seg_end, seg_modality, seg_doc, seg_batch, seg_visible_start, seg_visible_end = (
+        packed[: 7 * n_segments].view(7, n_segments).unbind(0)
     )
+    token_segment = packed[token_offset:].view(torch.int32)[:n_tokens]
     return LayoutTables(
         batch_size=len(layouts),
         seq_len=seq_len,
