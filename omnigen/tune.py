@@ -110,8 +110,9 @@ def reusable(job: Job, db: Mapping[str, Mapping[str, Any]] | None = None) -> dic
         for bucket in job.layouts:
             key = job.key(space, bucket)
             entry = db.get(key)
+            workload = (entry or {}).get("workload") or {}
             if (entry is None or tune_db.staleness(entry, current) is not None or entry.get("space") != space.labels
-                    or (entry.get("workload") or {}).get("layouts") != job.workload["layouts"]):
+                    or any(workload.get(k) != job.workload[k] for k in ("layouts", "tokens", "heads"))):
                 return {}
             found[key] = entry
     return found
@@ -173,7 +174,7 @@ def _close(got, ref, relative: float = 2e-2, absolute: float = 1e-3) -> str | No
     return None if error <= bound else f"max error {error:.3g} > {bound:.3g}"
 
 
-def _verification_case(job: Job, head_dim: int, dtype: str):
+def _verification_case(job: Job, head_dim: int, dtype: str, device: str):
     """A small case of the rules' own layouts (B=2, GQA 4:2, S not a multiple of any tile) and its float64
     reference forward and gradients."""
     import random
@@ -186,11 +187,11 @@ def _verification_case(job: Job, head_dim: int, dtype: str):
     torch_dtype = next(t for t, name in DTYPE_NAMES.items() if name == dtype)
     rng = random.Random(f"verify:{job.rules.name}")
     batch = LayoutBatch([tune_layouts.synthetic_layout(job.rules, VERIFY_SEQ_LEN, rng) for _ in range(2)])
-    g = torch.Generator(device="cuda").manual_seed(1234)
-    q = torch.randn(2, 4, VERIFY_SEQ_LEN, head_dim, device="cuda", dtype=torch_dtype, generator=g)
-    k, v = (torch.randn(2, 2, VERIFY_SEQ_LEN, head_dim, device="cuda", dtype=torch_dtype, generator=g) for _ in range(2))
+    g = torch.Generator(device=device).manual_seed(1234)
+    q = torch.randn(2, 4, VERIFY_SEQ_LEN, head_dim, device=device, dtype=torch_dtype, generator=g)
+    k, v = (torch.randn(2, 2, VERIFY_SEQ_LEN, head_dim, device=device, dtype=torch_dtype, generator=g) for _ in range(2))
     d_out = torch.randn_like(q)
-    mask = job.rules.dense_mask(batch, device="cuda")
+    mask = job.rules.dense_mask(batch, device=device)
     out, lse = attention_reference(q, k, v, mask)
     grads = attention_reference_grads(q, k, v, mask, d_out)
     return batch, (q, k, v, d_out), (out, lse), grads
@@ -203,7 +204,7 @@ def _verify(job: Job, candidate: tune_space.Candidate, module: Any, case) -> tun
 
     batch, (q, k, v, d_out), (out_ref, lse_ref), grads_ref = case
     tile = candidate.config.tile
-    p = plan(job.rules, batch, tile.block_m, tile.block_n, device="cuda")
+    p = plan(job.rules, batch, tile.block_m, tile.block_n, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     forward_problem, backward_problem = candidate.forward_problem, candidate.backward_problem
     out, _ = forward_pass(module, p, q, k, v, scale)
@@ -248,10 +249,11 @@ def count_steps(job: Job, rounds: int) -> int:
 
 
 def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune_timing.DEFAULT_REPS,
-            on_step: Progress | None = None, write: bool = True) -> dict[str, dict[str, Any]]:
+            on_step: Progress | None = None, write: bool = True, device: str = "cuda") -> dict[str, dict[str, Any]]:
     """Verify and time every candidate of every (shape, bucket); pick winners; write the database.
 
-    Returns the new entries by key (tune_db.make_entry)."""
+    Returns the new entries by key (tune_db.make_entry). `device` is "cuda" but for the CPU test of
+    this orchestration (with stand-ins for the kernels and the timer)."""
     import torch
 
     from .ops import DTYPE_NAMES, backward_pass, forward_pass
@@ -262,21 +264,21 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
     for space in job.spaces:
         torch_dtype = next(t for t, name in DTYPE_NAMES.items() if name == space.dtype)
         modules = {c.config: cache.get_module(job.rules, c.config) for c in space.candidates}
-        case = _verification_case(job, space.head_dim, space.dtype)
+        case = _verification_case(job, space.head_dim, space.dtype, device)
         verified = [_verify(job, c, modules[c.config], case) for c in space.candidates]
         del case
         scale = 1.0 / math.sqrt(space.head_dim)
         for bucket, layouts in sorted(job.layouts.items()):
             batch = LayoutBatch(layouts)
             B, S, H, D = batch.batch_size, batch.seq_len, job.heads, space.head_dim
-            g = torch.Generator(device="cuda").manual_seed(bucket + D)
-            q, k, v, d_out = (torch.randn(B, H, S, D, device="cuda", dtype=torch_dtype, generator=g) for _ in range(4))
+            g = torch.Generator(device=device).manual_seed(bucket + D)
+            q, k, v, d_out = (torch.randn(B, H, S, D, device=device, dtype=torch_dtype, generator=g) for _ in range(4))
             plans: dict[tuple[int, int], Any] = {}
 
             def plan_for(config: KernelConfig):
                 shape = (config.tile.block_m, config.tile.block_n)
                 if shape not in plans:
-                    plans[shape] = plan(job.rules, batch, *shape, device="cuda")
+                    plans[shape] = plan(job.rules, batch, *shape, device=device)
                 return plans[shape]
 
             timed = {c.label: _Timed(c, modules[c.config], plan_for(c.config)) for c in verified}
@@ -353,7 +355,8 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
                                               forward=forward, backward=backward, default=default,
                                               candidates=rows, space=space.labels, workload=workload)
             del q, k, v, d_out, out_ref, lse_ref, fwd_functions, bwd_functions, timed, plans
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     if write and entries:
         cache.update_tuning_db(entries)
         from .ops import forget_kernels
@@ -384,8 +387,8 @@ def _row(candidate: tune_space.Candidate, fwd_ms: float, bwd_ms: float, flops: f
 # one call for omnigen.build(..., tune=True)
 
 
-def tune_kernel(rules: Rules, head_dim: int, dtype: str, seq_lens: tuple[int, ...] | None = None
-                ) -> dict[int, tune_db.Choice]:
+def tune_kernel(rules: Rules, head_dim: int, dtype: str, seq_lens: tuple[int, ...] | None = None,
+                tokens: int = tune_layouts.DEFAULT_TOKENS) -> dict[int, tune_db.Choice]:
     """Tune one (head dim, dtype) on the visible GPU -- or reuse the database when it already holds the
     same job -- and return the kernel's choices per bucket."""
     from .toolchain import visible_gpu_arch
@@ -394,7 +397,7 @@ def tune_kernel(rules: Rules, head_dim: int, dtype: str, seq_lens: tuple[int, ..
     if arch is None:
         raise RuntimeError("tuning needs a CUDA GPU, and none is visible")
     device = tune_db.Device.current()
-    job = prepare(rules, [head_dim], [dtype], arch, device, seq_lens)
+    job = prepare(rules, [head_dim], [dtype], arch, device, seq_lens, tokens=tokens)
     if not reusable(job):
         compile_candidates(job)
         if any(c.forward for s in job.spaces for c in s.candidates):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One round on the GPU machine: environment, gpu tests, benchmarks; a short table last.
+# One round on the GPU machine: environment, gpu tests, benchmarks, tuning; a short table last.
 #   bash scripts/gpu-check.sh            (from the repository root; writes logs under $OUT or ./gpu-check-out)
 # Runs from the source tree (no install needed): PYTHONPATH=. and a private kernel cache.
 set -uo pipefail
@@ -30,9 +30,25 @@ echo "== attention benchmark"
 python3 benchmarks/bench_attention.py ${ATTENTION_ARGS:---dims 128 --sizes 8192 16384 32768} \
   --json "$out/bench_attention.json" --png "$out/bench_attention.png" 2>&1 | tee "$out/bench_attention.log" | tail -40 || status=1
 
+echo "== tuning (omnigen build --tune, cold cache, then a second process that must reuse the results)"
+tune_cache="$(mktemp -d /tmp/omnigen-tune.XXXXXX)"
+start=$(date +%s)
+OMNIGEN_CACHE_DIR="$tune_cache" python3 -m omnigen build --rules examples/rules/transfusion.yaml --tune \
+  2>&1 | tee "$out/tune.log" | grep -vE "^(building|timing)" | tail -80 || status=1
+echo "first tuning run: $(( $(date +%s) - start )) s (compile + verify + time)" | tee -a "$out/tune.log"
+start=$(date +%s)
+OMNIGEN_CACHE_DIR="$tune_cache" python3 -m omnigen build --rules examples/rules/transfusion.yaml --tune \
+  > "$out/tune-again.log" 2>&1 || status=1
+echo "second process: $(( $(date +%s) - start )) s" | tee -a "$out/tune-again.log"
+grep -q "tuning: reusing" "$out/tune-again.log" || { echo "the second process did not reuse the tuning results"; status=1; }
+OMNIGEN_CACHE_DIR="$tune_cache" python3 -m omnigen cache list > "$out/tune-cache-list.log" 2>&1 || status=1
+cp "$tune_cache/tuning.json" "$out/tuning.json" 2>/dev/null || true
+
 echo
 echo "== summary"
 tail -1 "$out/gpu-tests.log"
 tail -8 "$out/bench_plan.log"
 grep -A40 "^attention," "$out/bench_attention.log" || true
+grep -E "^-> |^bf16|^fp16|first tuning run" "$out/tune.log" || true
+grep -E "reusing|second process" "$out/tune-again.log" || true
 exit $status

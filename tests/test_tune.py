@@ -195,12 +195,15 @@ def test_reuse_needs_every_bucket_fresh_with_the_same_space_and_layouts(cache_di
     space = job.spaces[0]
     assert sorted(job.layouts) == [2048, 4096] and [c.label for c in space.candidates] == space.labels
     entries = {job.key(space, b): _entry(b, head_dim=64, space=space.labels) for b in (2048, 4096)}
+    for entry in entries.values():
+        entry["workload"].update(tokens=8192, heads=tune.HEADS)
     assert tune.reusable(job, entries) == entries
     assert tune.reusable(job, {k: v for k, v in entries.items() if "S4096" not in k}) == {}
     changed = {k: {**v, "space": space.labels[:2]} for k, v in entries.items()}
     assert tune.reusable(job, changed) == {}  # the rules' tiles changed: tune again
-    other = {k: {**v, "workload": {"layouts": "file:abc"}} for k, v in entries.items()}
-    assert tune.reusable(job, other) == {}
+    for change in ({"layouts": "file:abc"}, {"tokens": 32768}):
+        other = {k: {**v, "workload": {**v["workload"], **change}} for k, v in entries.items()}
+        assert tune.reusable(job, other) == {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,3 +420,130 @@ def test_tuning_table_shows_candidates_winners_and_speedups():
     assert "bf16 d128, S bucket 8192 (B=4 x S=8192, H=16, density 0.51" in text
     assert "m128n64w4s2 (default)" in text and "failed to compile: error: x" in text
     assert "forward m128n64w4s2 (1.00x vs default), backward m128n128w8s2 (1.08x vs default)" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# measure() on the CPU: the orchestration (verify, cross-check, time, pick, write) with stand-ins for
+# the kernels (float64 reference attention on the plan's tables) and for the GPU timer.
+
+
+class _ReferenceModule:
+    def __init__(self, config: KernelConfig, wrong: bool = False):
+        self.MODULE_NAME = config.label
+        self.HAS_BACKWARD = not config.backward_problems()
+        self.BLOCK_M, self.BLOCK_N = config.tile.block_m, config.tile.block_n
+        self.wrong = wrong
+
+
+def _mask_of(p, rules):
+    from omnigen.plan import rule_tensors
+    from omnigen.reference import tile_predicate
+
+    positions = torch.arange(p.seq_len)
+    rule_t = rule_tensors(rules, positions.device)
+    return torch.stack([tile_predicate(rules, p.tables, b, positions, positions, rule_t) for b in range(p.batch_size)])
+
+
+def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
+    from omnigen.reference import attention_reference, attention_reference_grads
+
+    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "kernel": {"tiles": [
+        {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2}, {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2},
+        {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}, {"block_m": 128, "block_n": 64, "warps": 4, "stages": 3}]}})
+    job = tune.prepare(rules, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[256], tokens=512)
+    monkeypatch.setattr(tune, "VERIFY_SEQ_LEN", 150)
+    labels = [c.label for c in job.spaces[0].candidates]
+    assert labels == ["m128n64w4s2", "m128n128w8s2", "m64n64w4s2", "m128n64w4s3"]
+    # m64n64w4s2 is "fast and wrong" in its forward; the rest are exact
+    monkeypatch.setattr(cache, "get_module", lambda r, config: _ReferenceModule(config, config.tile.block_m == 64))
+
+    def forward_pass(module, p, q, k, v, scale):
+        out, lse = attention_reference(q, k, v, _mask_of(p, rules), scale)
+        if module.wrong:
+            out = out * 0.5
+        return out.to(q.dtype), lse.float()
+
+    def backward_pass(module, p, q, k, v, out, lse, d_out, scale, deterministic=False):
+        assert (p.block_m, p.block_n) == (module.BLOCK_M, module.BLOCK_N)  # planned with the module's tile
+        return tuple(g.to(q.dtype) for g in attention_reference_grads(q, k, v, _mask_of(p, rules), d_out, scale))
+
+    monkeypatch.setattr(ops, "forward_pass", forward_pass)
+    monkeypatch.setattr(ops, "backward_pass", backward_pass)
+    # Median times per (pass, label): the 128x128 tile wins the forward by 10%, the 3-stage one is within
+    # the 1% margin of the default's backward (noise: the default keeps it).
+    fake = {"fwd": {"m128n64w4s2": 10.0, "m128n128w8s2": 9.0, "m64n64w4s2": 1.0, "m128n64w4s3": 9.95},
+            "bwd": {"m128n64w4s2": 30.0, "m128n128w8s2": 31.0, "m64n64w4s2": 40.0, "m128n64w4s3": 29.9}}
+    calls = []
+
+    def timer(functions, rounds, reps, warmup=0, on_round=None):
+        kind = "bwd" if len(calls) % 2 else "fwd"
+        calls.append(sorted(functions))
+        for f in functions.values():
+            f()
+        for r in range(rounds):
+            on_round(r)
+        return {label: [fake[kind][label]] * (rounds * reps) for label in functions}
+
+    monkeypatch.setattr(tune_timing, "time_round_robin", timer)
+    steps = []
+    entries = tune.measure(job, rounds=2, reps=1, on_step=steps.append, device="cpu")
+    assert sum(steps) == tune.count_steps(job, 2)
+    assert calls[0] == sorted(set(labels) - {"m64n64w4s2"}) and calls[1] == sorted(labels)  # wrong fwd: not timed
+    (key, entry), = entries.items()
+    assert key == tune_db.entry_key(DEVICE, rules, "bf16", 64, 256)
+    assert cache.read_tuning_db() == entries
+    assert entry["forward"]["tile"] == tune_db.tile_to_dict(TileConfig(128, 128, 8, 2)) and entry["forward"]["ms"] == 9.0
+    assert entry["backward"]["tile"] == tune_db.tile_to_dict(TileConfig(128, 64, 4, 2))  # 29.9 vs 30.0: noise
+    assert entry["default"] == {"tile": tune_db.tile_to_dict(TileConfig(128, 64, 4, 2)), "fwd_ms": 10.0, "bwd_ms": 30.0}
+    rows = {row["tile"]: row for row in entry["candidates"]}
+    assert rows["m64n64w4s2"]["fwd_ms"] is None and "wrong forward output vs float64" in rows["m64n64w4s2"]["status"]
+    assert rows["m64n64w4s2"]["bwd_ms"] == 40.0  # its backward was right: timed
+    assert rows["m128n128w8s2"]["winner"] == "fwd" and rows["m128n64w4s2"]["winner"] == "bwd"
+    assert rows["m128n64w4s2"]["default"] and rows["m128n64w4s2"]["status"] == "ok"
+    pairs = entry["workload"]["pairs"]
+    assert rows["m128n64w4s2"]["fwd_tflops"] == round(4 * 64 * pairs * tune.HEADS / 10.0 / 1e9, 1)
+    assert entry["workload"]["batch"] == 2 and entry["space"] == labels
+    assert tune.reusable(job) == entries
+
+
+def test_cli_tune_flow_builds_candidates_prints_tables_and_reuses(cache_dir, tmp_path, monkeypatch):
+    """`omnigen build --tune` with a GPU, the GPU parts stood in for: one ninja graph for targets and
+    candidates, a table per bucket, the database path; a second run reuses instead of timing."""
+    import omnigen.cli_build as cli_build
+
+    _no_gpu(monkeypatch, tmp_path)
+    monkeypatch.setattr(cli_build, "visible_gpu_arch", lambda: "sm_90a")
+    monkeypatch.setattr(omnigen.toolchain, "visible_gpu_arch", lambda: "sm_90a")  # default_archs() asks it
+    monkeypatch.setattr(tune_db.Device, "current", classmethod(lambda cls, device=None: DEVICE))
+    measured = []
+
+    def fake_measure(job, rounds, on_step):
+        measured.append(job)
+        on_step(tune.count_steps(job, rounds))
+        entries = {}
+        for space in job.spaces:
+            for bucket in job.layouts:
+                entry = _entry(bucket, head_dim=space.head_dim, space=space.labels)
+                entry["workload"] = dict(job.workload)
+                entries[job.key(space, bucket)] = entry
+        cache.update_tuning_db(entries)
+        return entries
+
+    monkeypatch.setattr(tune, "measure", fake_measure)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES.to_yaml() + "kernel:\n  head_dims: [64]\n")
+    command = ["build", "--rules", str(rules), "--tune", "--seq-lens", "1000,4096"]
+    first = CliRunner().invoke(cli, command)
+    assert first.exit_code == 0, first.output
+    count = len(tune_space.DEFAULT_SPACE[64])
+    assert f"{count} built" in first.output  # the default target is one of the candidates: built once
+    assert len(measured) == 1 and sorted(measured[0].layouts) == [1024, 4096]
+    assert first.output.count("bf16 d64, S bucket") == 2 and "m128n64w4s2 (default)" in first.output
+    assert f"tuning results: {cache_dir / 'tuning.json'} (2 shape(s)" in first.output
+    second = CliRunner().invoke(cli, command)
+    assert second.exit_code == 0, second.output
+    assert f"0 built, {count} from the cache" in second.output
+    assert "tuning: reusing 2 tuned shape(s)" in second.output and len(measured) == 1
+    assert second.output.count("bf16 d64, S bucket") == 2
+    again = CliRunner().invoke(cli, command + ["--retune"])
+    assert again.exit_code == 0 and len(measured) == 2
