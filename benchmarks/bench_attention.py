@@ -162,6 +162,42 @@ def measure(rules, dim: int, S: int, tokens: int, heads: int, seed: int) -> list
     return rows
 
 
+TILE_COST = omnigen.Rules(
+    name="tile_cost", modalities={"a": "full", "b": "full"}, see={"default": "all", "a -> b": "none"}, documents="shared"
+)
+
+
+def tile_cost(dim: int, S: int, tokens: int, heads: int, seed: int) -> dict:
+    """What a partial tile costs against a full one: the same kernel, grid and number of visited tiles.
+
+    One layout is a single `a` segment (every tile full); the other alternates `a` and `b` every 40
+    tokens with `a -> b: none`, so every tile mixes allowed and masked pairs (every tile partial).
+    """
+    B = max(1, tokens // S)
+    alternating = [("a" if i % 2 == 0 else "b", 40) for i in range(S // 40)]
+    if S % 40:
+        alternating.append(("a", S % 40))
+    layouts = {
+        "full": omnigen.Layout.batch([omnigen.Layout.from_segments([("a", S)])] * B),
+        "partial": omnigen.Layout.batch([omnigen.Layout.from_segments(alternating)] * B),
+    }
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    d_out = torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    row: dict = {"D": dim, "S": S, "B": B, "H": heads}
+    for name, layout in layouts.items():
+        forward = lambda layout=layout: omnigen.attention(q, k, v, layout, TILE_COST)  # noqa: E731
+        forward()
+        row[f"{name}_fwd_ms"] = round(bench(forward), 4)
+        row[f"{name}_fwd_bwd_ms"] = round(bench(lambda: forward().backward(d_out), grads=[q, k, v]), 4)
+        q.grad = k.grad = v.grad = None
+    row["partial_over_full_fwd"] = round(row["partial_fwd_ms"] / row["full_fwd_ms"], 3)
+    row["partial_over_full_fwd_bwd"] = round(row["partial_fwd_bwd_ms"] / row["full_fwd_bwd_ms"], 3)
+    print(json.dumps({"tile_cost": row}), flush=True)
+    return row
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -193,6 +229,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rules", choices=("transfusion", "causal", "both"), default="both")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tile-cost", action="store_true",
+                        help="also time an all-partial layout against an all-full one (same tiles, same kernel)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
     args = parser.parse_args()
@@ -207,14 +245,21 @@ def main() -> None:
                 rows += measure(rules, dim, S, args.tokens, args.heads, args.seed)
                 torch.cuda.empty_cache()
 
+    costs = [tile_cost(dim, 8192, args.tokens, args.heads, args.seed) for dim in args.dims] if args.tile_cost else []
+
     print(f"\nattention, bf16, H={args.heads}, B*S={args.tokens}, GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = ("rules", "impl", "D", "S", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_flex", "fwd_bwd_vs_flex", "peak_mib")
     print(" | ".join(f"{h:>14}" for h in header))
     for r in rows:
         cells = [r.get(h, r.get("error", "-")[:14] if h == "fwd_tflops" else "-") for h in header]
         print(" | ".join(f"{c!s:>14}" for c in cells))
+    for c in costs:
+        print(f"tile cost, D={c['D']} S={c['S']}: partial / full = {c['partial_over_full_fwd']} forward, "
+              f"{c['partial_over_full_fwd_bwd']} forward+backward")
     if args.json:
-        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "tile_cost": costs}, indent=1
+        ))
     if args.png:
         plot(rows, args.png)
 
