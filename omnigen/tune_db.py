@@ -83,12 +83,12 @@ def staleness(entry: Mapping[str, Any], current: Mapping[str, Any] | None = None
         return "kernel templates changed since it was tuned"
     if meta.get("omnigen") != current["omnigen"]:
         return f"tuned by omnigen {meta.get('omnigen')} (now {current['omnigen']})"
-    for part in ("forward", "backward"):
-        tile = entry.get(part, {}).get("tile") if isinstance(entry.get(part), Mapping) else None
-        if tile is not None and tile_from_dict(tile) is None:
-            return f"{part} tile {tile!r} is unreadable"
-    if tile_from_dict((entry.get("forward") or {}).get("tile")) is None:
+    forward = entry.get("forward")
+    if not isinstance(forward, Mapping) or tile_from_dict(forward.get("tile")) is None:
         return "no forward winner"
+    backward = entry.get("backward")
+    if isinstance(backward, Mapping) and tile_from_dict(backward.get("tile")) is None:
+        return f"backward tile {backward.get('tile')!r} is unreadable"
     return None
 
 

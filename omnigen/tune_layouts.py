@@ -105,8 +105,7 @@ def bucket_user_layouts(layouts: list[Layout], tokens: int = DEFAULT_TOKENS) -> 
     for bucket, group in sorted(groups.items()):
         longest = max(layout.seq_len for layout in group)
         padded = [layout.pad_end(longest) for layout in group]
-        count = max(batch_size(longest, tokens), 1)
-        out[bucket] = [padded[i % len(padded)] for i in range(max(count, 1))]
+        out[bucket] = [padded[i % len(padded)] for i in range(batch_size(longest, tokens))]
     return out
 
 

@@ -138,6 +138,8 @@ def test_staleness():
     assert "format" in tune_db.staleness({**entry, "meta": {**entry["meta"], "format": 0}})
     assert tune_db.staleness({k: v for k, v in entry.items() if k != "meta"}) == "no metadata"
     assert "no forward winner" in tune_db.staleness({**entry, "forward": None})
+    assert "unreadable" in tune_db.staleness({**entry, "backward": {"tile": {"block_m": "wide"}}})
+    assert tune_db.staleness({**entry, "backward": None}) is None  # forward-only (head dim 256)
 
 
 def test_database_round_trip_lookup_and_stale_entries_ignored(cache_dir):
