@@ -54,20 +54,24 @@ def time_calls(fn, repeats: int, sync=lambda: None) -> float:
     return statistics.median(samples)
 
 
-def time_alternating(fns: dict, repeats: int, sync) -> dict:
-    """Median wall time (ms) of each function, calling them in turn so that clock and load drift
-    on the host and the GPU falls on all of them alike (the ratio is what we quote)."""
+def time_alternating(fns: dict, repeats: int, sync, rounds: int = 5) -> dict:
+    """Median wall time (ms) of each function over `repeats` calls, taken in `rounds` blocks per
+    function in turn: drift of the host and GPU clocks falls on all of them alike, while each block
+    (after one untimed call) runs in the steady state of its own function."""
     for fn in fns.values():
-        fn()
         fn()
     sync()
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
+    per_block = max(1, repeats // rounds)
+    for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
             fn()
             sync()
-            samples[name].append((time.perf_counter() - start) * 1e3)
+            for _ in range(per_block):
+                start = time.perf_counter()
+                fn()
+                sync()
+                samples[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -127,7 +131,7 @@ def main() -> None:
                 except torch.OutOfMemoryError:  # create_block_mask evaluates the mask densely
                     row["flex_ms"] = "out of memory"
                     torch.cuda.empty_cache()
-            # Same process, same GPU, calls interleaved: omnigen's plan and create_block_mask.
+            # Same process, same GPU, blocks of calls interleaved: omnigen's plan and create_block_mask.
             row.update({name: round(ms, 3) for name, ms in time_alternating(timed, args.repeats, sync).items()})
             if "flex_ms" in timed:
                 row["speedup_vs_flex"] = round(row["flex_ms"] / row["gpu_ms"], 1)
