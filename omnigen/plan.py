@@ -40,7 +40,7 @@ schedules: three launches and one host sync, results identical to `_classify` + 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -97,9 +97,18 @@ class Plan:
     fwd_kv: torch.Tensor  # int32 [num_tiles]
     bwd_ptr: torch.Tensor  # int32 [B * num_kv_tiles * 3 + 1]
     bwd_q: torch.Tensor  # int32 [num_tiles]
-    allowed_pairs: int
+    # The allowed-pair count, or (host planner) a function that counts it: the kernels never need it, so
+    # a plan made for a training step does not pay for it.
+    pair_count: int | Callable[[], int] = field(repr=False)
     tables: LayoutTables = field(repr=False)
     rules_hash: str = ""
+
+    @property
+    def allowed_pairs(self) -> int:
+        """Allowed (query, key) pairs over the whole layout (or batch)."""
+        if not isinstance(self.pair_count, int):
+            self.pair_count = int(self.pair_count())
+        return self.pair_count
 
     @property
     def num_q_tiles(self) -> int:
@@ -183,7 +192,7 @@ class Plan:
         moved = {name: getattr(self, name).to(device) for name in ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q")}
         return Plan(
             block_m=self.block_m, block_n=self.block_n, batch_size=self.batch_size, seq_len=self.seq_len,
-            batched=self.batched, allowed_pairs=self.allowed_pairs, rules_hash=self.rules_hash,
+            batched=self.batched, pair_count=self.pair_count, rules_hash=self.rules_hash,
             tables=self.tables if self.tables.seg_start.device == torch.device(device) else self.tables.to(device),
             **moved,
         )
@@ -224,12 +233,13 @@ def plan(
     nq, nk = -(-S // block_m), -(-S // block_n)
     if device.type == "cuda" and _gpu_planner() is not None:
         # Same result in a handful of fused launches.
-        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, allowed_pairs = _gpu_planner().classify_and_schedule(
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, pair_count = _gpu_planner().classify_and_schedule(
             rules, tables, block_m, block_n
         )
     else:
-        host_tables = tables if device.type == "cpu" else layout.tables(rules, "cpu")
-        grid, allowed_pairs = _classify_host(rules, _CpuTables.of(host_tables), block_m, block_n)
+        host_tables = _CpuTables.of(tables if device.type == "cpu" else layout.tables(rules, "cpu"))
+        grid = _classify_host(rules, host_tables, block_m, block_n)
+        pair_count = lambda: _allowed_pairs_host(rules, host_tables)  # noqa: E731
         fwd_ptr, fwd_kv, bwd_ptr, bwd_q = (
             torch.from_numpy(a).to(device) for a in _schedules_host(grid.reshape(B, nq, nk))
         )
@@ -243,7 +253,7 @@ def plan(
         fwd_kv=fwd_kv,
         bwd_ptr=bwd_ptr,
         bwd_q=bwd_q,
-        allowed_pairs=allowed_pairs,
+        pair_count=pair_count,
         tables=tables,
         rules_hash=rules.mask_hash(),
     )
@@ -344,7 +354,7 @@ class _Prefix:
             (zeros, o_x, o_y, own_top, ones),  # above the diagonal: own segment
             (l_row, l_x, l_y, infinity, ones),  # above the diagonal: later segments
         ]
-        row_t, x_t, y_t, top_t, bottom_t = (np.stack([np.broadcast_to(p[k], low_edge.shape) for p in parts]) for k in range(5))
+        row_t, x_t, y_t, top_t, bottom_t = (np.stack([p[k] for p in parts]) for k in range(5))  # all [k] already
         counted = self.window_sum(row_t, x_t, y_t, r0, r1, top_t) - self.window_sum(row_t, x_t, y_t, r0, r1, bottom_t)
         return counted[:3].sum(0), counted[3:].sum(0)
 
@@ -388,8 +398,9 @@ def _ragged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) -> tuple[torch.Tensor, int]:
     """Tile kinds as a flat int8 CPU grid [B * nq * nk] and the number of allowed pairs."""
-    grid, allowed_pairs = _classify_host(rules, _CpuTables.of(tables), block_m, block_n)
-    return torch.from_numpy(grid), allowed_pairs
+    host_tables = _CpuTables.of(tables)
+    grid = _classify_host(rules, host_tables, block_m, block_n)
+    return torch.from_numpy(grid), _allowed_pairs_host(rules, host_tables)
 
 
 def _host_rules(rules: Rules) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -397,7 +408,23 @@ def _host_rules(rules: Rules) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rt["see"].numpy(), rt["causal"].numpy(), rt["window"].numpy()
 
 
-def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> tuple[np.ndarray, int]:
+def _allowed_pairs_host(rules: Rules, t: _CpuTables) -> int:
+    """Allowed pairs of the whole layout: each non-pad segment's rows counted over its visible range."""
+    see, causal_of, window_of = _host_rules(rules)
+    n_mod = len(rules.modalities)
+    big = 4 * t.n_tokens + 4
+    keep = t.seg_modality != rules.pad_id
+    s0, s1, modality = t.seg_start[keep], t.seg_end[keep], t.seg_modality[keep]
+    v0, v1 = t.seg_visible_start[keep], t.seg_visible_end[keep]
+    window = window_of[modality]
+    window = np.where(window > 0, window, big)
+    allowed, _ = _Prefix(n_mod, t, see).count_rows(
+        v0, v1, s0, s1, s0, s1, v0, v1, window, causal_of[modality], 1 + modality, 1 + n_mod + modality, big
+    )
+    return int(allowed.sum())
+
+
+def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> np.ndarray:
     """`_classify` on numpy arrays: the CPU planner is a few hundred small array operations, so
     per-operation overhead decides its speed (numpy's is a third of torch's and never threads)."""
     see, causal_of, window_of = _host_rules(rules)
@@ -424,8 +451,6 @@ def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> t
     window = window_of[modality]
     window = np.where(window > 0, window, big)
     e_row, l_row = 1 + modality, 1 + n_mod + modality
-    allowed, _ = prefix.count_rows(v0, v1, r0, r1, s0, s1, v0, v1, window, causal, e_row, l_row, big)
-    allowed_pairs = int(allowed.sum())
 
     # Columns a piece can reach: skip kv-tiles that certainly hold nothing it may see.
     sees_earlier = prefix.count(e_row, v0, s0) > 0
@@ -522,7 +547,7 @@ def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> t
     kind = np.where(n_allowed == area, FULL, kind)
 
     grid[tile] = kind
-    return grid, allowed_pairs
+    return grid
 
 
 def _schedules(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -546,6 +571,8 @@ def _grouped(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # [rows, group, cols]: its non-zeros in memory order are the CSR entries in schedule order.
     member = kinds[:, None, :] == _SCHEDULE_ORDER
     ptr = np.zeros(3 * n_rows + 1, dtype=np.int32)
-    np.cumsum(np.count_nonzero(member, axis=2).reshape(-1), out=ptr[1:])
+    np.cumsum(member.sum(2, dtype=np.int32).reshape(-1), out=ptr[1:])
     entries = np.flatnonzero(member)
+    if member.size < 2**31:  # int32 arithmetic is the faster modulo
+        return ptr, entries.astype(np.int32) % np.int32(n_cols)
     return ptr, (entries % n_cols).astype(np.int32)
