@@ -24,6 +24,19 @@ struct SwizzledTile {
     return uint32_t(((2 * pattern + low_bit) ^ (lane & 7)) << 4);
   }
   static __host__ __device__ constexpr uint32_t step_bytes(int kk) { return uint32_t(kk / 4) * 128u; }
+
+  // The pattern above gives an x4 ldmatrix the order an mma A operand wants (rows 0-7 low half, rows
+  // 8-15 low, rows 0-7 high, rows 8-15 high). A B operand (the n8 blocks' rows, e.g. keys in Q K^T)
+  // wants rows 0-7 low, rows 0-7 high, rows 8-15 low, rows 8-15 high, so that each n8 block's two
+  // registers come out adjacent; otherwise every fragment costs register moves before its mma.
+  // Lane l then reads row (l / 16) * 8 + l % 8 at low bit (l / 8) % 2. The row keeps its swizzle phase
+  // (l % 8) and the swizzle flips only the chunk's low bit with it, so the B address is the A address
+  // plus this per-lane constant, the same for every step kk.
+  static __device__ __forceinline__ int32_t b_operand_offset_bytes(int lane) {
+    const int row_a = lane % 16, low_a = lane / 16;
+    const int row_b = (lane / 16) * 8 + lane % 8, low_b = (lane / 8) % 2;
+    return (row_b - row_a) * kRowBytes + (((low_b ^ (lane & 1)) - (low_a ^ (lane & 1))) << 4);
+  }
 };
 
 }  // namespace omnigen
