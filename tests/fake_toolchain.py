@@ -26,7 +26,7 @@ for a in "$@"; do
   case "$a" in
     *.cu|*.cpp)
       if grep -q PLANTED_FAILURE "$a"; then echo "$a(3): error: planted failure for the test"; exit 1; fi
-      if grep -q PLANTED_SPILL "$a"; then spill=16; fi
+      if grep -q PLANTED_SPILL "$a"; then spill=96; fi
       ;;
   esac
 done

@@ -92,6 +92,20 @@ def test_ptxas_spills_prune_only_the_pass_that_spills():
     assert tune_space.prune_by_ptxas(candidate, {}) == candidate  # no report: nothing to prune on
 
 
+def test_forward_spill_allowance():
+    """The forward may spill the few per-tile bytes codegen.SPILL_ALLOWANCE_BYTES allows, not more."""
+    candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90a"))
+    allowance = codegen.spill_allowance("_ZN3ns14forward_kernelE11ForwardArgs")
+    assert allowance > 0 and codegen.spill_allowance("_ZN3ns11dkdv_kernelE12BackwardArgs") == 0
+
+    def report(stores, loads):
+        return {"kernels": {"_ZN3ns14forward_kernelE11ForwardArgs": {"spill_store_bytes": stores, "spill_load_bytes": loads}}}
+
+    assert tune_space.prune_by_ptxas(candidate, report(allowance, allowance)) == candidate
+    pruned = tune_space.prune_by_ptxas(candidate, report(allowance + 4, 8))
+    assert not pruned.forward and pruned.backward and f"{allowance + 12} B" in pruned.forward_problem
+
+
 # ------------------------------------------------------------------------------------------------
 # the database
 

@@ -104,16 +104,15 @@ __device__ __forceinline__ RowRule row_rule(int query_modality) {
 __device__ __forceinline__ bool allowed(const RowRule& rule, int query_position, int query_segment,
                                         int query_document, int key_position, int key_segment,
                                         int key_modality, int key_document) {
-  bool ok;
-  if (key_segment == query_segment) {
-    ok = key_position - query_position <= rule.self_reach;  // own segment: the self policy
-  } else if (key_segment < query_segment) {
-    ok = (rule.sees_earlier >> key_modality) & 1u;          // earlier segment: see earlier | all
-  } else {
-    ok = (rule.sees_later >> key_modality) & 1u;            // later segment: see all
-  }
-  ok = ok && key_document == query_document;               // documents: isolated
-  ok = ok && query_position - key_position < rule.window;  // sliding window of the query's modality
+  // Branch-free on purpose: every term is computed and selected, so the partial path compiles to
+  // straight-line selects (if/else chains here became per-pair branches and reconvergence points).
+  const bool own_ok = key_position - query_position <= rule.self_reach;      // own segment: the self policy
+  const uint32_t other_bits = key_segment < query_segment ? rule.sees_earlier  // earlier: see earlier | all
+                                                          : rule.sees_later;   // later: see all
+  const bool other_ok = (other_bits & (1u << key_modality)) != 0u;
+  bool ok = key_segment == query_segment ? own_ok : other_ok;
+  ok &= key_document == query_document;                                      // documents: isolated
+  ok &= query_position - key_position < rule.window;                         // sliding window of the query's modality
   return ok;
 }
 
