@@ -213,7 +213,8 @@ def plot(rows: list[dict], path: Path) -> None:
                 if points:
                     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{title}, D={dim}, bf16 (effective TFLOP/s, allowed pairs only)")
+            ax.set_title(f"{title}, D={dim}, bf16")
+            ax.set_ylabel("effective TFLOP/s (allowed pairs only)")
             ax.set_xlabel("sequence length")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
