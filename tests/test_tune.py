@@ -106,6 +106,21 @@ def test_forward_spill_allowance():
     assert not pruned.forward and pruned.backward and f"{allowance + 12} B" in pruned.forward_problem
 
 
+def test_build_table_marks_tolerated_spills():
+    from omnigen.cli_build import _ptxas_cells
+
+    def meta(forward, dkdv):
+        kernels = {"_ZN3ns14forward_kernelE11ForwardArgs": {"spill_store_bytes": forward, "spill_load_bytes": forward},
+                   "_ZN3ns11dkdv_kernelE12BackwardArgs": {"spill_store_bytes": dkdv, "spill_load_bytes": dkdv}}
+        return {"ptxas": {"registers": 255, "spill_store_bytes": forward + dkdv, "spill_load_bytes": forward + dkdv,
+                          "kernels": kernels}}
+
+    assert _ptxas_cells(meta(0, 0)) == ["255", "0 B"]
+    assert _ptxas_cells(meta(8, 0)) == ["255", "16 B*"]  # the forward's per-tile spill: tolerated
+    assert _ptxas_cells(meta(8, 8)) == ["255", "32 B"]   # any backward spill is not
+    assert _ptxas_cells({}) == ["?", "?"]
+
+
 # ------------------------------------------------------------------------------------------------
 # the database
 
