@@ -74,6 +74,14 @@ def rules_mask_mod(rules: omnigen.Rules, tables) -> Callable:
     return mask_mod
 
 
+def random_inputs(B: int, heads: int, S: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and dO: bf16 [B, heads, S, dim] from a seeded CUDA generator."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
 def bench(fn: Callable, grads: list[torch.Tensor] | None = None) -> float:
     from triton.testing import do_bench
 
@@ -129,10 +137,7 @@ def measure(rules, dim: int, S: int, tokens: int, heads: int, seed: int) -> list
     B = max(1, tokens // S)
     layout_fn = transfusion_layout if rules is TRANSFUSION else (lambda n, _: omnigen.Layout.from_segments([("text", n)]))
     batch = omnigen.Layout.batch([layout_fn(S, rng) for _ in range(B)])
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    d_out = torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v, d_out = random_inputs(B, heads, S, dim, seed)
     rows = []
     for name, (forward, pairs) in candidates(rules, batch, q, k, v, S).items():
         row = {"rules": rules.name, "impl": name, "D": dim, "S": S, "B": B, "H": heads, "pairs": pairs}
@@ -181,10 +186,7 @@ def tile_cost(dim: int, S: int, tokens: int, heads: int, seed: int) -> dict:
         "full": omnigen.Layout.batch([omnigen.Layout.from_segments([("a", S)])] * B),
         "partial": omnigen.Layout.batch([omnigen.Layout.from_segments(alternating)] * B),
     }
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    d_out = torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v, d_out = random_inputs(B, heads, S, dim, seed)
     row: dict = {"D": dim, "S": S, "B": B, "H": heads}
     for name, layout in layouts.items():
         forward = lambda layout=layout: omnigen.attention(q, k, v, layout, TILE_COST)  # noqa: E731

@@ -66,10 +66,7 @@ def _ptxas_cells(meta: dict) -> list[str]:
         return ["?", "?"]
     spills = ptxas.get("spill_store_bytes", 0) + ptxas.get("spill_load_bytes", 0)
     kernels = ptxas.get("kernels") or {}
-    tolerated = spills > 0 and kernels and all(
-        max(k.get("spill_store_bytes", 0), k.get("spill_load_bytes", 0)) <= codegen.spill_allowance(name)
-        for name, k in kernels.items()
-    )
+    tolerated = spills > 0 and kernels and not any(codegen.excess_spill_bytes(n, k) for n, k in kernels.items())
     return [str(ptxas.get("registers", "?")), f"{spills} B" + ("*" if tolerated else "")]
 
 

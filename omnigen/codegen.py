@@ -69,6 +69,12 @@ def spill_allowance(kernel_name: str) -> int:
     return next((limit for kernel, limit in SPILL_ALLOWANCE_BYTES.items() if kernel in kernel_name), 0)
 
 
+def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
+    """Spilled bytes (stores + loads) of one kernel's ptxas figures, or 0 when within its allowance."""
+    stores, loads = figures.get("spill_store_bytes", 0), figures.get("spill_load_bytes", 0)
+    return 0 if max(stores, loads) <= spill_allowance(kernel_name) else stores + loads
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """One compiled variant: head dim, dtype, target arch and tile shape."""

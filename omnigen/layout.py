@@ -386,11 +386,11 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
     seq_len = layouts[0].seq_len
     ids = {name: rules.modality_id(name) for name in set().union(*(layout.modalities for layout in layouts))}
     isolated = rules.isolated_documents
-    sizes_of, modalities, docs, batch, visible_start, visible_end = [], [], [], [], [], []
+    lengths_of, modalities, docs, batch, visible_start, visible_end = [], [], [], [], [], []
     for b, layout in enumerate(layouts):
         names, sizes, documents = zip(*layout.segments)
         element_start, element_end = b * seq_len, (b + 1) * seq_len
-        sizes_of.append(sizes)
+        lengths_of.append(np.array(sizes, dtype=np.int64))
         modalities += [ids[name] for name in names]
         docs.append(documents)
         batch.append(np.full(len(sizes), b, dtype=np.int64))
@@ -401,14 +401,15 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
             visible_end.append(np.full(len(sizes), element_end, dtype=np.int64))
             continue
         doc = np.array(documents, dtype=np.int64)
-        local_ends = element_start + np.cumsum(np.array(sizes, dtype=np.int64))
-        first = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])  # each document's first segment
-        group = np.cumsum(np.r_[True, doc[1:] != doc[:-1]]) - 1  # each segment's document, 0-based
+        local_ends = element_start + np.cumsum(lengths_of[-1])
+        opens = np.r_[True, doc[1:] != doc[:-1]]  # a segment that opens a document
+        first = np.flatnonzero(opens)  # each document's first segment
+        group = np.cumsum(opens) - 1  # each segment's document, 0-based
         last = np.r_[first[1:], len(doc)] - 1  # each document's last segment
         group_start = np.r_[element_start, local_ends[:-1]][first]
         visible_start.append(group_start[group])
         visible_end.append(local_ends[last][group])
-    lengths = np.concatenate([np.array(sizes, dtype=np.int64) for sizes in sizes_of])
+    lengths = np.concatenate(lengths_of)
     # Global positions: element b's segments fill [b * seq_len, (b + 1) * seq_len) exactly.
     ends = np.cumsum(lengths)
     # One host buffer, one copy: 7 int64 segment rows, then (256-byte aligned, as an allocation

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .codegen import KernelConfig, default_tile, spill_allowance
+from .codegen import KernelConfig, default_tile, excess_spill_bytes
 from .rules import Rules, TileConfig
 
 T = TileConfig
@@ -111,13 +111,11 @@ def candidate_space(rules: Rules, head_dim: int, dtype: str, arch: str
 
 
 def _spills(report: dict, kernel: str) -> int | None:
-    """Spilled bytes (stores + loads) of the kernel whose name contains `kernel`, beyond what
-    codegen.spill_allowance tolerates (0 when within it); None if absent."""
+    """Spilled bytes beyond the allowance (codegen.excess_spill_bytes) of the kernel whose name contains
+    `kernel`; None if absent."""
     for name, figures in (report.get("kernels") or {}).items():
         if kernel in name:
-            stores, loads = figures.get("spill_store_bytes", 0), figures.get("spill_load_bytes", 0)
-            allowance = spill_allowance(name)
-            return 0 if max(stores, loads) <= allowance else stores + loads
+            return excess_spill_bytes(name, figures)
     return None
 
 
