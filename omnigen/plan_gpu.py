@@ -32,9 +32,20 @@ The schedules are written into buffers sized for every tile (B * nq * nk), so th
 first `num_tiles` entries. Where that bound exceeds `INLINE_TILE_LIMIT`, `_scan_kernel` makes the
 pointers and totals in one program, the sync comes before the scheduling launch, and the
 schedules are allocated exactly. Positions and pair counts are int64 (PP reaches ~n^2 / 2).
+
+What a call costs is mostly the host's, not the GPU's (~15-20 us of kernels at 8K), so the host
+side is kept small: every kernel takes the same nine arguments (the layout's one packed table
+buffer, the rule table, one scratch buffer for everything, and six sizes) and finds its places in
+the scratch buffer itself (`_scratch`, mirrored on the host by `_scratch_layout`); after the first
+launch of each configuration, `_Launcher` starts the compiled kernel directly, without Triton's
+per-call argument binding.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +67,8 @@ INLINE_TILE_LIMIT = 1 << 22
 # scheduling program finds its offset from at most (R / GROUP + 3 GROUP) counts.
 GROUP = 64
 
+_ZBLOCK = 1024  # counters zeroed per _prep_kernel program
+_INT32_MAX = 2**31 - 1
 _RULE_CACHE: dict = {}
 
 
@@ -73,26 +86,80 @@ def _next_pow2(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _rule_table(rules: Rules, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The rules as one int64 tensor on `device`, cached per (rules, device).
+    """The rules as one int64 tensor on `device`, cached per (rules object, device).
 
     Layout (M user modalities, pad id = M): weight rows [2M, M+1] (row m = E_m: see(m -> k) is
     earlier or all; row M + m = L_m: see(m -> k) is all; pad columns weigh 0), then causal [M+1]
     (0/1), then window [M+1] (0 = none).
     """
-    key = (rules.mask_hash(), rules.modality_names, str(device))
+    # Keyed by identity (Rules is frozen), not by mask hash + modality names + device name, which
+    # took a few us a plan to build. The entry holds the rules object, so its id stays unique.
+    key = (id(rules), device.index)
     cached = _RULE_CACHE.get(key)
-    if cached is None:
-        from .plan import SEE_ALL, SEE_EARLIER, rule_tensors
+    if cached is not None and cached[0] is rules:
+        return cached[1], cached[2]
+    from .plan import SEE_ALL, SEE_EARLIER, rule_tensors
 
-        rt = rule_tensors(rules, torch.device("cpu"))
-        n_mod = len(rules.modalities)
-        see = rt["see"][:n_mod]  # [M, M+1]
-        weights = torch.cat([(see >= SEE_EARLIER).long(), (see == SEE_ALL).long()])  # [2M, M+1]
-        packed = torch.cat([weights.reshape(-1), rt["causal"].long(), rt["window"].long()])
-        cached = (packed.to(device), bool(rules.has_windows))
-        _RULE_CACHE[key] = cached
-    return cached
+    rt = rule_tensors(rules, torch.device("cpu"))
+    n_mod = len(rules.modalities)
+    see = rt["see"][:n_mod]  # [M, M+1]
+    weights = torch.cat([(see >= SEE_EARLIER).long(), (see == SEE_ALL).long()])  # [2M, M+1]
+    packed = torch.cat([weights.reshape(-1), rt["causal"].long(), rt["window"].long()]).to(device)
+    if len(_RULE_CACHE) >= 256:  # rules made afresh per call would otherwise pile up
+        _RULE_CACHE.clear()
+    _RULE_CACHE[key] = (rules, packed, bool(rules.has_windows))
+    return packed, bool(rules.has_windows)
+
+
+class _Scratch(NamedTuple):
+    """The parts of one call's int64 scratch buffer the host needs (the kernels' `_scratch` finds
+    the same places from the same sizes).
+
+    int64 words: [tile total, allowed-pair total | allowed pairs per row (R) | segment first
+    positions (nseg + 1) | SegP, SegPP, w (2M rows of nseg + 1 each)]; then int32 entries:
+    [fwd_ptr 3R+1 | bwd_ptr 3C+1 | counts: per row 3R, per column 3C, per group of GROUP rows, per
+    group of GROUP columns of one element (`n_zero` in all, zeroed by _prep_kernel)]; then the int8
+    kind grid (R * nk, padded to whole int32 entries); then, when `inline`, fwd_kv and bwd_q of
+    `cap` int32 entries each. One allocation instead of three, and no offsets to pass.
+    """
+
+    rows: int  # R = B * nq
+    cols: int  # C = B * nk
+    nq: int
+    nk: int
+    n_zero: int
+    cap: int  # R * nk: every tile
+    inline: bool
+    words: int  # int64 words to allocate
+    # sizes for splitting the int32 view: inline [head, fwd_ptr, bwd_ptr, counts + grid, fwd_kv, bwd_q, tail],
+    # else [head, fwd_ptr, bwd_ptr, rest]
+    pieces: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _scratch_layout(B: int, S: int, nseg: int, n_mod: int, block_m: int, block_n: int, inline_limit: int) -> _Scratch:
+    """The scratch buffer's sizes for one problem (cached: a training run repeats its shapes)."""
+    nq, nk = _cdiv(S, block_m), _cdiv(S, block_n)
+    R, C = B * nq, B * nk
+    words64 = 2 + R + (nseg + 1) * (1 + 3 * 2 * n_mod)
+    fwd_ptr = 2 * words64
+    n_zero = 3 * R + 3 * C + _cdiv(R, GROUP) + B * _cdiv(nk, GROUP)
+    grid = fwd_ptr + (3 * R + 1) + (3 * C + 1) + n_zero
+    cap = R * nk
+    fwd_kv = grid + _cdiv(cap, 4)
+    inline = cap <= inline_limit
+    words = _cdiv(fwd_kv + 2 * cap if inline else fwd_kv, 2)
+    pointers = [fwd_ptr, 3 * R + 1, 3 * C + 1]
+    if inline:
+        pieces = pointers + [fwd_kv - fwd_ptr - 3 * (R + C) - 2, cap, cap, 2 * words - fwd_kv - 2 * cap]
+    else:
+        pieces = pointers + [2 * words - fwd_ptr - 3 * (R + C) - 2]
+    return _Scratch(R, C, nq, nk, n_zero, cap, inline, words, tuple(pieces))
 
 
 def classify_and_schedule(
@@ -101,94 +168,156 @@ def classify_and_schedule(
     """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q, allowed_pairs), equal to the CPU path's, on the tables' device."""
     if triton is None:
         raise RuntimeError("the GPU planner needs Triton")
-    device = tables.seg_start.device
+    device = tables.packed.device
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device
             return classify_and_schedule(rules, tables, block_m, block_n)
     rule_table, has_window = _rule_table(rules, device)
     B, S = tables.batch_size, tables.seq_len
-    n = B * S
-    nq, nk = -(-S // block_m), -(-S // block_n)
-    R, C = B * nq, B * nk
-    nseg = int(tables.seg_start.shape[0])
+    nseg = tables.num_segments
     n_mod = len(rules.modalities)
-    n_weights = 2 * n_mod
-    stride = nseg + 1
-    big = 4 * n + 4 * max(block_m, block_n)  # "no window" / "no causal edge", as plan._classify
+    lay = _scratch_layout(B, S, nseg, n_mod, block_m, block_n, INLINE_TILE_LIMIT)
+    R, C = lay.rows, lay.cols
+    work = torch.empty(lay.words, dtype=torch.int64, device=device)
+    args = (tables.packed, rule_table, work, B, S, nseg, n_mod, block_m, block_n)
+    # Direct launches need every integer argument to keep its int32 type (all are <= B * S or a tile size).
+    direct = max(B * S, block_m, block_n) <= _INT32_MAX and _launch_hooks_idle()
 
-    # int64 scratch: [totals 2 | allowed per row R | segment first (nseg+1) | SegP | SegPP | w]
-    off_first = 2 + R
-    off_p = off_first + stride
-    off_pp = off_p + n_weights * stride
-    off_w = off_pp + n_weights * stride
-    ws64 = torch.empty(off_w + n_weights * stride, dtype=torch.int64, device=device)
-    # int32: [fwd_ptr 3R+1 | bwd_ptr 3C+1 | counts: per row 3R, per column 3C, per group of GROUP rows,
-    #         per group of GROUP columns of one element | fwd_kv cap | bwd_q cap]; the counts start at zero
-    cap = R * nk
-    inline = cap <= INLINE_TILE_LIMIT
-    off_bptr = 3 * R + 1
-    off_rowc = off_bptr + 3 * C + 1
-    off_colc = off_rowc + 3 * R
-    off_rowg = off_colc + 3 * C
-    off_colg = off_rowg + -(-R // GROUP)
-    off_kv = off_colg + B * -(-nk // GROUP)
-    off_q = off_kv + cap
-    out32 = torch.empty(off_q + cap if inline else off_kv, dtype=torch.int32, device=device)
-    grid = torch.empty(R * nk, dtype=torch.int8, device=device)
-
-    zblock = 1024
     large = nseg >= 256
-    _prep_kernel[(max(1, -(-(off_kv - off_rowc) // zblock)),)](
-        tables.seg_start, tables.seg_end, tables.seg_modality, rule_table, ws64, out32,
-        n, nseg, n_mod, n_weights, off_first, off_p, off_pp, off_w, off_rowc, off_kv - off_rowc,
-        NWP=max(2, _next_pow2(n_weights)), BLOCK_S=2048 if large else 256, ZBLOCK=zblock,
-        num_warps=8 if large else 4,
-    )
-    block_j = min(128, max(16, _next_pow2(nk)))  # >= GROUP unless a row is one chunk
-    _classify_kernel[(R, -(-nk // block_j))](
-        tables.token_segment, tables.seg_start, tables.seg_end, tables.seg_modality,
-        tables.seg_visible_start, tables.seg_visible_end, rule_table, ws64, out32, grid,
-        S, n, nseg, nq, nk, block_m, block_n, n_mod, big,
-        off_first, off_p, off_pp, off_w, off_rowc, off_colc, off_rowg, off_colg,
-        BLOCK_J=block_j, GROUP=GROUP, HAS_WINDOW=has_window, num_warps=4,
-    )
-    fwd_ptr = out32[:off_bptr]
-    bwd_ptr = out32[off_bptr:off_rowc]
-    block = min(1024, max(16, _next_pow2(max(nq, nk))))
-    if inline:
+    _PREP((max(1, _cdiv(lay.n_zero, _ZBLOCK)), 1, 1), args,
+          (max(2, _next_pow2(2 * n_mod)), 2048 if large else 256, _ZBLOCK, GROUP), 8 if large else 4, direct)
+    block_j = min(128, max(16, _next_pow2(lay.nk)))  # >= GROUP unless a row is one chunk
+    _CLASSIFY((R, _cdiv(lay.nk, block_j), 1), args, (block_j, GROUP, has_window), 4, direct)
+    block = min(1024, max(16, _next_pow2(max(lay.nq, lay.nk))))
+    out32 = work.view(torch.int32)
+    if lay.inline:
         # each scheduling program finds its own offsets from the group and per-row counts
-        fwd_kv, bwd_q = out32[off_kv:off_q], out32[off_q:]
-        _schedule_kernel[(R + C,)](
-            grid, out32, ws64, fwd_kv, bwd_q, R, C, nq, nk, off_bptr, off_rowc, off_colc, off_rowg, off_colg,
-            BLOCK=block, GROUP=GROUP, FUSED_SCAN=True, num_warps=4,
-        )
-        total, allowed = ws64[:2].tolist()  # the one host sync
-        return fwd_ptr, fwd_kv[:total], bwd_ptr, bwd_q[:total], int(allowed)
-    _scan_kernel[(1,)](out32, ws64, 3 * R, 3 * C, R, off_rowc, off_colc, off_bptr, BLOCK=1024, num_warps=4)
-    total, allowed = ws64[:2].tolist()  # the one host sync
+        _SCHEDULE((R + C, 1, 1), args + (work,), (block, GROUP, True), 4, direct)
+        # views made while the GPU works; only the cut to the tile count waits for the sync
+        _, fwd_ptr, bwd_ptr, _, fwd_kv, bwd_q, _ = out32.split_with_sizes(lay.pieces)
+        total, allowed = work[:2].tolist()  # the one host sync
+        return fwd_ptr, fwd_kv[:total], bwd_ptr, bwd_q[:total], allowed
+    _SCAN((1, 1, 1), args, (1024, GROUP), 4, direct)
+    _, fwd_ptr, bwd_ptr, _ = out32.split_with_sizes(lay.pieces)
+    total, allowed = work[:2].tolist()  # the one host sync
     size = max(total, 1)
-    schedules = torch.empty(2 * size, dtype=torch.int32, device=device)
-    fwd_kv, bwd_q = schedules[:total], schedules[size : size + total]
-    _schedule_kernel[(R + C,)](
-        grid, out32, ws64, fwd_kv, schedules[size:], R, C, nq, nk, off_bptr, off_rowc, off_colc, off_rowg, off_colg,
-        BLOCK=block, GROUP=GROUP, FUSED_SCAN=False, num_warps=4,
-    )
-    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q, int(allowed)
+    schedules = torch.empty(2 * size, dtype=torch.int32, device=device)  # fwd_kv, then bwd_q from `size`
+    _SCHEDULE((R + C, 1, 1), args + (schedules,), (block, GROUP, False), 4, direct)
+    return fwd_ptr, schedules[:total], bwd_ptr, schedules[size : size + total], allowed
+
+
+def _direct_launch_supported() -> bool:
+    """Whether `CompiledKernel.run` takes (grid x, y, z, stream, function, packed metadata, launch
+    metadata, enter hook, exit hook, *arguments): how `JITFunction.run` launches in Triton 3.4-3.9
+    (read in the 3.6 and 3.9 sources). Elsewhere, and in the interpreter, every launch goes
+    through Triton's own path."""
+    if triton is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    try:
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (3, 4) <= version <= (3, 9) and hasattr(triton, "knobs")
+
+
+def _launch_hooks_idle() -> bool:
+    """No launch hooks (profilers) registered: a direct launch would bypass them."""
+    runtime = triton.knobs.runtime
+    # Triton 3.6 keeps hook chains (called even when empty); older versions None or a function.
+    return all(hook is None or getattr(hook, "calls", True) == [] for hook in
+               (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class _Launcher:
+    """One @triton.jit kernel: the first launch of each configuration through Triton, later ones
+    straight through the compiled kernel that launch returned.
+
+    `kernel[grid](...)` binds, specialises and hashes every argument on every call: ~11 us plus
+    ~0.5 us a pointer and ~0.25 us an integer on an H200 host, where `CompiledKernel.run` takes
+    ~5 us. Reusing the compiled kernel is exact here because what it was compiled for is all in
+    the key: pointers are never specialised on alignment and integers never on value (`_jit`),
+    each tensor argument's dtype is fixed by the code, and the caller sends integers that do not
+    fit int32 (which Triton would type int64) through Triton's path (`direct=False`).
+    """
+
+    def __init__(self, kernel, constexpr_names: tuple[str, ...]) -> None:
+        self.kernel = kernel
+        self.constexpr_names = constexpr_names
+        self.compiled: dict = {}
+
+    def __call__(self, grid: tuple[int, int, int], args: tuple, constants: tuple, num_warps: int,
+                 direct: bool) -> None:
+        direct = direct and _DIRECT_LAUNCH
+        if direct:
+            driver = triton.runtime.driver.active
+            key = (driver.get_current_device(), constants, num_warps)
+            entry = self.compiled.get(key)
+            if entry is not None:
+                run, function, metadata = entry
+                stream = driver.get_current_stream(key[0])
+                run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *constants)
+                return
+        kernel = self.kernel[grid](*args, **dict(zip(self.constexpr_names, constants)), num_warps=num_warps)
+        if direct and hasattr(kernel, "packed_metadata"):
+            self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+
+_DIRECT_LAUNCH = _direct_launch_supported()
 
 
 if triton is not None:
+    # The arguments every kernel takes (the scheduling kernel one more pointer, `sched`).
+    _SIZES = ("B", "S", "nseg", "n_mod", "block_m", "block_n")
+    _POINTERS = ("tables", "rule_tab", "work", "sched")
 
-    def _jit(ints=(), pointers=()):
-        """triton.jit without value specialisation of the varying integers and pointer alignments
-        (each new combination would otherwise compile a new kernel)."""
+    def _jit(fn):
+        """triton.jit without value specialisation of the sizes or alignment specialisation of the
+        pointers (each new combination would otherwise compile a new kernel, and `_Launcher` relies
+        on it)."""
+        names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+        ints = [name for name in names if name in _SIZES]
+        pointers = [name for name in names if name in _POINTERS]
+        try:
+            return triton.jit(fn, do_not_specialize=ints, do_not_specialize_on_alignment=pointers)
+        except TypeError:  # pragma: no cover - older Triton
+            return triton.jit(fn, do_not_specialize=ints)
 
-        def wrap(fn):
-            try:
-                return triton.jit(fn, do_not_specialize=list(ints), do_not_specialize_on_alignment=list(pointers))
-            except TypeError:  # pragma: no cover - older Triton
-                return triton.jit(fn, do_not_specialize=list(ints))
-
-        return wrap
+    @triton.jit
+    def _scratch(work, B, S, nseg, n_mod, block_m, block_n, GROUP: tl.constexpr):
+        """Sizes and the places in the scratch buffer (the host's `_scratch_layout` mirrors them):
+        (nq, nk, R, C, row_allowed, seg_first, seg_p, seg_pp, seg_w, fwd_ptr, bwd_ptr, row_counts,
+        col_counts, row_groups, col_groups, n_zero, grid, fwd_kv, bwd_q). All sizes int64."""
+        B = B.to(tl.int64)
+        S = S.to(tl.int64)
+        nseg = nseg.to(tl.int64)
+        n_mod = n_mod.to(tl.int64)
+        block_m = block_m.to(tl.int64)
+        block_n = block_n.to(tl.int64)
+        nq = (S + block_m - 1) // block_m
+        nk = (S + block_n - 1) // block_n
+        R = B * nq
+        C = B * nk
+        stride = nseg + 1
+        n_weights = 2 * n_mod
+        # int64 words
+        row_allowed = work + 2  # work[0], work[1]: tile and allowed-pair totals
+        seg_first = row_allowed + R
+        seg_p = seg_first + stride
+        seg_pp = seg_p + n_weights * stride
+        seg_w = seg_pp + n_weights * stride
+        # int32 entries
+        fwd_ptr = (seg_w + n_weights * stride).to(tl.pointer_type(tl.int32))
+        bwd_ptr = fwd_ptr + 3 * R + 1
+        row_counts = bwd_ptr + 3 * C + 1
+        col_counts = row_counts + 3 * R
+        row_groups = col_counts + 3 * C
+        col_groups = row_groups + (R + GROUP - 1) // GROUP
+        n_zero = 3 * R + 3 * C + (R + GROUP - 1) // GROUP + B * ((nk + GROUP - 1) // GROUP)
+        grid32 = row_counts + n_zero
+        fwd_kv = grid32 + (R * nk + 3) // 4  # (inline schedules only)
+        bwd_q = fwd_kv + R * nk
+        return (nq, nk, R, C, row_allowed, seg_first, seg_p, seg_pp, seg_w, fwd_ptr, bwd_ptr, row_counts,
+                col_counts, row_groups, col_groups, n_zero, grid32.to(tl.pointer_type(tl.int8)), fwd_kv, bwd_q)
 
     @triton.jit
     def _clamp(v, lo, hi):
@@ -294,18 +423,22 @@ if triton is not None:
         )
         return earlier + own + later, own_above + later
 
-    @_jit(ints=("n", "nseg", "n_mod", "n_weights", "off_first", "off_p", "off_pp", "off_w", "off_zero", "n_zero"),
-          pointers=("seg_start", "seg_end", "seg_mod", "rule_tab", "ws64", "out32"))
-    def _prep_kernel(seg_start, seg_end, seg_mod, rule_tab, ws64, out32,
-                     n, nseg, n_mod, n_weights, off_first, off_p, off_pp, off_w, off_zero, n_zero,
-                     NWP: tl.constexpr, BLOCK_S: tl.constexpr, ZBLOCK: tl.constexpr):
+    @_jit
+    def _prep_kernel(tables, rule_tab, work, B, S, nseg, n_mod, block_m, block_n,
+                     NWP: tl.constexpr, BLOCK_S: tl.constexpr, ZBLOCK: tl.constexpr, GROUP: tl.constexpr):
+        (nq, nk, R, C, row_allowed, seg_first, seg_p, seg_pp, seg_w, fwd_ptr, bwd_ptr, row_counts,
+         col_counts, row_groups, col_groups, n_zero, grid, fwd_kv, bwd_q) = _scratch(
+            work, B, S, nseg, n_mod, block_m, block_n, GROUP)
         pid = tl.program_id(0)
         z = pid * ZBLOCK + tl.arange(0, ZBLOCK)
-        tl.store(out32 + off_zero + z, tl.zeros([ZBLOCK], tl.int32), mask=z < n_zero)
+        tl.store(row_counts + z, tl.zeros([ZBLOCK], tl.int32), mask=z < n_zero)
         if pid == 0:
-            n64 = n.to(tl.int64)
+            n64 = B.to(tl.int64) * S
             nseg64 = nseg.to(tl.int64)
             stride = nseg64 + 1
+            n_weights = 2 * n_mod
+            seg_end = tables + nseg64
+            seg_mod = tables + 2 * nseg64
             rows = tl.arange(0, NWP)[:, None].to(tl.int64)
             row_ok = rows < n_weights
             carry_p = tl.zeros([NWP], tl.int64)
@@ -314,9 +447,9 @@ if triton is not None:
                 s = start + tl.arange(0, BLOCK_S)[None, :].to(tl.int64)
                 valid = s < nseg64
                 listed = s <= nseg64  # nseg itself is the sentinel: first = n, length 0, weight 0
-                first = tl.load(seg_start + s, mask=valid, other=0)
+                first = tl.load(tables + s, mask=valid, other=0)
+                length = tl.load(seg_end + s, mask=valid, other=0) - first
                 first = tl.where(valid, first, n64)
-                length = tl.load(seg_end + s, mask=valid, other=0) - tl.load(seg_start + s, mask=valid, other=0)
                 m = tl.load(seg_mod + s, mask=valid, other=0)
                 w = tl.load(rule_tab + rows * (n_mod + 1) + m, mask=row_ok & valid, other=0)
                 cp = w * length
@@ -324,39 +457,39 @@ if triton is not None:
                 cpp = length * p + w * (length * (length - 1) // 2)
                 pp = carry_pp[:, None] + tl.cumsum(cpp, 1) - cpp
                 keep = row_ok & listed
-                tl.store(ws64 + off_p + rows * stride + s, p, mask=keep)
-                tl.store(ws64 + off_pp + rows * stride + s, pp, mask=keep)
-                tl.store(ws64 + off_w + rows * stride + s, w, mask=keep)
-                tl.store(ws64 + off_first + s, first, mask=listed)
+                tl.store(seg_p + rows * stride + s, p, mask=keep)
+                tl.store(seg_pp + rows * stride + s, pp, mask=keep)
+                tl.store(seg_w + rows * stride + s, w, mask=keep)
+                tl.store(seg_first + s, first, mask=listed)
                 carry_p += tl.sum(cp, 1)
                 carry_pp += tl.sum(cpp, 1)
 
-    @_jit(ints=("S", "n", "nseg", "nq", "nk", "block_m", "block_n", "n_mod", "big",
-                "off_first", "off_p", "off_pp", "off_w", "off_rowc", "off_colc", "off_rowg", "off_colg"),
-          pointers=("tok_seg", "seg_start", "seg_end", "seg_mod", "seg_vs", "seg_ve", "rule_tab", "ws64", "out32",
-                    "grid"))
-    def _classify_kernel(tok_seg, seg_start, seg_end, seg_mod, seg_vs, seg_ve, rule_tab, ws64, out32, grid,
-                         S, n, nseg, nq, nk, block_m, block_n, n_mod, big,
-                         off_first, off_p, off_pp, off_w, off_rowc, off_colc, off_rowg, off_colg,
+    @_jit
+    def _classify_kernel(tables, rule_tab, work, B, S, nseg, n_mod, block_m, block_n,
                          BLOCK_J: tl.constexpr, GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr):
         """Program (r, c): kv-tiles [c * BLOCK_J, (c + 1) * BLOCK_J) of q-tile row r (BLOCK_J >= GROUP,
         or the row has a single chunk)."""
+        (nq, nk, R, C, row_allowed, seg_first, seg_p, seg_pp, seg_w, fwd_ptr, bwd_ptr, row_counts,
+         col_counts, row_groups, col_groups, n_zero, grid, fwd_kv, bwd_q) = _scratch(
+            work, B, S, nseg, n_mod, block_m, block_n, GROUP)
         r = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1).to(tl.int64)
         S = S.to(tl.int64)
-        n = n.to(tl.int64)
         nseg = nseg.to(tl.int64)
-        nq = nq.to(tl.int64)
-        nk = nk.to(tl.int64)
         block_m = block_m.to(tl.int64)
         block_n = block_n.to(tl.int64)
         n_mod = n_mod.to(tl.int64)
-        big = big.to(tl.int64)
+        n = B.to(tl.int64) * S
+        big = 4 * n + 4 * tl.maximum(block_m, block_n)  # "no window" / "no causal edge", as plan._classify
         stride = nseg + 1
-        seg_first = ws64 + off_first
-        seg_p = ws64 + off_p
-        seg_pp = ws64 + off_pp
-        seg_w = ws64 + off_w
+        # LayoutTables.packed: 7 int64 rows of nseg, then the int32 token table from word
+        # layout.token_offset(nseg) (the 7 rows rounded up to 32 words)
+        seg_start = tables
+        seg_end = tables + nseg
+        seg_mod = tables + 2 * nseg
+        seg_vs = tables + 5 * nseg
+        seg_ve = tables + 6 * nseg
+        tok_seg = (tables + (7 * nseg + 31) // 32 * 32).to(tl.pointer_type(tl.int32))
         causal_tab = rule_tab + 2 * n_mod * (n_mod + 1)
         window_tab = causal_tab + n_mod + 1
 
@@ -387,7 +520,7 @@ if triton is not None:
             hi = tl.where(sees_later, v1, tl.where(causal, r1, s1))
             j_lo = tl.where(real, tl.minimum(j_lo, (lo - base) // block_n), j_lo)
             j_hi = tl.where(real, tl.maximum(j_hi, (hi - base + block_n - 1) // block_n), j_hi)
-        tl.store(ws64 + 2 + r, allowed, mask=chunk == 0)
+        tl.store(row_allowed + r, allowed, mask=chunk == 0)
 
         # pass 2: count and classify this program's kv-tiles; tiles outside the reach are empty
         jc = chunk * BLOCK_J
@@ -422,48 +555,52 @@ if triton is not None:
             n_full = tl.sum((kind == 1).to(tl.int32), 0)
             n_causal = tl.sum((kind == 2).to(tl.int32), 0)
             n_partial = tl.sum((kind == 3).to(tl.int32), 0)
-            tl.atomic_add(out32 + off_rowc + 3 * r, n_full, sem="relaxed")
-            tl.atomic_add(out32 + off_rowc + 3 * r + 1, n_causal, sem="relaxed")
-            tl.atomic_add(out32 + off_rowc + 3 * r + 2, n_partial, sem="relaxed")
-            tl.atomic_add(out32 + off_rowg + r // GROUP, n_full + n_causal + n_partial, sem="relaxed")
+            tl.atomic_add(row_counts + 3 * r, n_full, sem="relaxed")
+            tl.atomic_add(row_counts + 3 * r + 1, n_causal, sem="relaxed")
+            tl.atomic_add(row_counts + 3 * r + 2, n_partial, sem="relaxed")
+            tl.atomic_add(row_groups + r // GROUP, n_full + n_causal + n_partial, sem="relaxed")
             column = b * nk + j
             ones = tl.full([BLOCK_J], 1, tl.int32)
-            tl.atomic_add(out32 + off_colc + column * 3 + tl.where(visited, kind - 1, 0), ones,
+            tl.atomic_add(col_counts + column * 3 + tl.where(visited, kind - 1, 0), ones,
                           mask=visited, sem="relaxed")
             # column groups: GROUP consecutive kv-tiles of one batch element (a chunk holds whole groups)
             col_group = b * ((nk + GROUP - 1) // GROUP) + chunk * (BLOCK_J // GROUP)
             if BLOCK_J >= GROUP:
                 per_group = tl.sum(tl.reshape(visited.to(tl.int32), (BLOCK_J // GROUP, GROUP)), 1)
-                tl.atomic_add(out32 + off_colg + col_group + tl.arange(0, BLOCK_J // GROUP), per_group,
+                tl.atomic_add(col_groups + col_group + tl.arange(0, BLOCK_J // GROUP), per_group,
                               mask=per_group > 0, sem="relaxed")
             else:  # the row's only chunk: one group
-                tl.atomic_add(out32 + off_colg + col_group, tl.sum(visited.to(tl.int32), 0), sem="relaxed")
+                tl.atomic_add(col_groups + col_group, tl.sum(visited.to(tl.int32), 0), sem="relaxed")
 
-    @_jit(ints=("R3", "C3", "R", "off_rowc", "off_colc", "off_bptr"), pointers=("out32", "ws64"))
-    def _scan_kernel(out32, ws64, R3, C3, R, off_rowc, off_colc, off_bptr, BLOCK: tl.constexpr):
+    @_jit
+    def _scan_kernel(tables, rule_tab, work, B, S, nseg, n_mod, block_m, block_n,
+                     BLOCK: tl.constexpr, GROUP: tl.constexpr):
         """fwd_ptr, bwd_ptr, tile and allowed-pair totals in one program (when the schedules are sized exactly)."""
+        (nq, nk, R, C, row_allowed, seg_first, seg_p, seg_pp, seg_w, fwd_ptr, bwd_ptr, row_counts,
+         col_counts, row_groups, col_groups, n_zero, grid, fwd_kv, bwd_q) = _scratch(
+            work, B, S, nseg, n_mod, block_m, block_n, GROUP)
         lanes = tl.arange(0, BLOCK)
         carry = tl.zeros([], tl.int32)
-        for start in range(0, R3, BLOCK):
+        for start in range(0, 3 * R, BLOCK):
             at = start + lanes
-            v = tl.load(out32 + off_rowc + at, mask=at < R3, other=0)
-            tl.store(out32 + 1 + at, carry + tl.cumsum(v, 0), mask=at < R3)
+            v = tl.load(row_counts + at, mask=at < 3 * R, other=0)
+            tl.store(fwd_ptr + 1 + at, carry + tl.cumsum(v, 0), mask=at < 3 * R)
             carry += tl.sum(v, 0)
-        tl.store(out32, 0)
+        tl.store(fwd_ptr, 0)
         total = carry
         carry = tl.zeros([], tl.int32)
-        for start in range(0, C3, BLOCK):
+        for start in range(0, 3 * C, BLOCK):
             at = start + lanes
-            v = tl.load(out32 + off_colc + at, mask=at < C3, other=0)
-            tl.store(out32 + off_bptr + 1 + at, carry + tl.cumsum(v, 0), mask=at < C3)
+            v = tl.load(col_counts + at, mask=at < 3 * C, other=0)
+            tl.store(bwd_ptr + 1 + at, carry + tl.cumsum(v, 0), mask=at < 3 * C)
             carry += tl.sum(v, 0)
-        tl.store(out32 + off_bptr, 0)
+        tl.store(bwd_ptr, 0)
         allowed = tl.zeros([], tl.int64)
         for start in range(0, R, BLOCK):
             at = start + lanes
-            allowed += tl.sum(tl.load(ws64 + 2 + at, mask=at < R, other=0), 0)
-        tl.store(ws64, total.to(tl.int64))
-        tl.store(ws64 + 1, allowed)
+            allowed += tl.sum(tl.load(row_allowed + at, mask=at < R, other=0), 0)
+        tl.store(work, total.to(tl.int64))
+        tl.store(work + 1, allowed)
 
     @triton.jit
     def _offsets(counts, groups, group, first, item, n_items, ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
@@ -499,33 +636,37 @@ if triton is not None:
         tl.store(out + p + tl.cumsum(partial, 0) - 1, index, mask=partial != 0)
         return f + tl.sum(full, 0), c + tl.sum(causal, 0), p + tl.sum(partial, 0)
 
-    @_jit(ints=("R", "C", "nq", "nk", "off_bptr", "off_rowc", "off_colc", "off_rowg", "off_colg"),
-          pointers=("grid", "ptrs", "ws64", "fwd_kv", "bwd_q"))
-    def _schedule_kernel(grid, ptrs, ws64, fwd_kv, bwd_q, R, C, nq, nk, off_bptr, off_rowc, off_colc, off_rowg, off_colg,
+    @_jit
+    def _schedule_kernel(tables, rule_tab, work, B, S, nseg, n_mod, block_m, block_n, sched,
                          BLOCK: tl.constexpr, GROUP: tl.constexpr, FUSED_SCAN: tl.constexpr):
         """Program r < R: the forward schedule of q-tile row r; program R + c: the backward one of kv-tile column c.
 
-        FUSED_SCAN: find the offsets (and write fwd_ptr / bwd_ptr and the totals) here; else read
-        them from the pointers _scan_kernel wrote."""
+        FUSED_SCAN: find the offsets (and write fwd_ptr / bwd_ptr and the totals) here and write the
+        schedules into the scratch buffer; else read the offsets _scan_kernel wrote and write the
+        schedules to `sched` (int32: fwd_kv, then bwd_q from max(total, 1))."""
+        (nq, nk, R, C, row_allowed, seg_first, seg_p, seg_pp, seg_w, fwd_ptr, bwd_ptr, row_counts,
+         col_counts, row_groups, col_groups, n_zero, grid, fwd_kv, bwd_q) = _scratch(
+            work, B, S, nseg, n_mod, block_m, block_n, GROUP)
+        if not FUSED_SCAN:
+            fwd_kv = sched
+            bwd_q = sched + tl.maximum(tl.load(work), 1)
         pid = tl.program_id(0).to(tl.int64)
-        nq = nq.to(tl.int64)
-        nk = nk.to(tl.int64)
         lanes = tl.arange(0, BLOCK).to(tl.int64)
         if pid < R:  # forward: q-tile row r lists its kv-tiles
             r = pid
             if FUSED_SCAN:
-                f, c, p, end = _offsets(ptrs + off_rowc, ptrs + off_rowg, r // GROUP, r // GROUP * GROUP, r, R, ptrs,
+                f, c, p, end = _offsets(row_counts, row_groups, r // GROUP, r // GROUP * GROUP, r, R, fwd_ptr,
                                         BLOCK, GROUP)
-                tl.store(ws64, end.to(tl.int64), mask=r == R - 1)
+                tl.store(work, end.to(tl.int64), mask=r == R - 1)
                 allowed = tl.zeros([], tl.int64)
                 for start in range(0, tl.where(r == 0, R, 0), BLOCK):
                     at = start + lanes
-                    allowed += tl.sum(tl.load(ws64 + 2 + at, mask=at < R, other=0), 0)
-                tl.store(ws64 + 1, allowed, mask=r == 0)
+                    allowed += tl.sum(tl.load(row_allowed + at, mask=at < R, other=0), 0)
+                tl.store(work + 1, allowed, mask=r == 0)
             else:
-                f = tl.load(ptrs + 3 * r)
-                c = tl.load(ptrs + 3 * r + 1)
-                p = tl.load(ptrs + 3 * r + 2)
+                f = tl.load(fwd_ptr + 3 * r)
+                c = tl.load(fwd_ptr + 3 * r + 1)
+                p = tl.load(fwd_ptr + 3 * r + 2)
             for start in range(0, nk, BLOCK):
                 j = start + lanes
                 kind = tl.load(grid + r * nk + j, mask=j < nk, other=0)
@@ -536,13 +677,18 @@ if triton is not None:
             j = col - b * nk
             if FUSED_SCAN:  # column groups: GROUP consecutive kv-tiles of one batch element
                 group = b * ((nk + GROUP - 1) // GROUP) + j // GROUP
-                f, c, p, end = _offsets(ptrs + off_colc, ptrs + off_colg, group, col - j % GROUP, col, C,
-                                        ptrs + off_bptr, BLOCK, GROUP)
+                f, c, p, end = _offsets(col_counts, col_groups, group, col - j % GROUP, col, C, bwd_ptr,
+                                        BLOCK, GROUP)
             else:
-                f = tl.load(ptrs + off_bptr + 3 * col)
-                c = tl.load(ptrs + off_bptr + 3 * col + 1)
-                p = tl.load(ptrs + off_bptr + 3 * col + 2)
+                f = tl.load(bwd_ptr + 3 * col)
+                c = tl.load(bwd_ptr + 3 * col + 1)
+                p = tl.load(bwd_ptr + 3 * col + 2)
             for start in range(0, nq, BLOCK):
                 i = start + lanes
                 kind = tl.load(grid + (b * nq + i) * nk + j, mask=i < nq, other=0)
                 f, c, p = _emit(kind, i.to(tl.int32), f, c, p, bwd_q)
+
+    _PREP = _Launcher(_prep_kernel, ("NWP", "BLOCK_S", "ZBLOCK", "GROUP"))
+    _CLASSIFY = _Launcher(_classify_kernel, ("BLOCK_J", "GROUP", "HAS_WINDOW"))
+    _SCAN = _Launcher(_scan_kernel, ("BLOCK", "GROUP"))
+    _SCHEDULE = _Launcher(_schedule_kernel, ("BLOCK", "GROUP", "FUSED_SCAN"))
