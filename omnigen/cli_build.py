@@ -55,8 +55,8 @@ def _targets(rules: Rules, archs: tuple[str, ...]) -> list[KernelConfig]:
     return usable
 
 
-TOLERATED_SPILL_NOTE = ("* spills within codegen.SPILL_ALLOWANCE_BYTES: a few per-tile values of the forward's "
-                        "partial path, outside its inner loops")
+TOLERATED_SPILL_NOTE = ("* spills within codegen.SPILL_ALLOWANCE_BYTES: per-tile values of the forward's partial "
+                        "path and per-step addresses of the backward's, none inside their mma loops")
 
 
 def _ptxas_cells(meta: dict) -> list[str]:

@@ -61,7 +61,12 @@ MAX_MODALITIES = 31  # modality bit masks are 32-bit, and pad takes an id
 # the rows (3x fewer shared loads; partial tiles 2.2x -> 1.4x a full tile at d128), which moves one or
 # two per-kv-tile values to the stack, outside the step loops (SASS in benchmarks/RESULTS.md). A spill
 # inside the step loops is larger: 64-key steps at d128 spilled 36-92 bytes there.
-SPILL_ALLOWANCE_BYTES = {"forward_kernel": 16}
+# The dK/dV kernel's 2-D warp layouts hold 128 fp32 dK/dV accumulators per thread at d128 beside 32
+# scores, so ptxas parks step-invariant addresses and bounds on the stack: none on the full path, a few
+# loads per step (not per mma) on the causal and partial paths (76-136 bytes; up to 340 with one P^T/dS^T
+# buffer on sm_90a). Measured against the spill-free one-warp-per-16-keys layout it replaced: 5-11%
+# faster on every tile (RESULTS.md). Beyond these figures a config has outgrown its registers.
+SPILL_ALLOWANCE_BYTES = {"forward_kernel": 16, "dkdv_kernel": 384}
 
 
 def spill_allowance(kernel_name: str) -> int:
@@ -118,16 +123,17 @@ class KernelConfig:
         }
 
     # ---- the backward (templates/backward.cu.j2). It plans with the forward's tile (one Plan serves
-    # both passes); its thread counts follow from the tile: 16 keys per warp in the dK/dV kernel,
+    # both passes); its thread counts follow from the tile: a warp per 16 keys in the dK/dV kernel,
     # 16 query rows per warp in the deterministic dQ kernel.
 
     BACKWARD_STEP_ROWS = 64  # query rows per pipeline step of the dK/dV kernel
 
     @property
-    def backward_pass_rows(self) -> int:
-        """Queries per S^T / dP^T pass of the dK/dV kernel: 32, i.e. 2 x 16 fp32 scores per thread beside the
-        dK/dV accumulators (64-query passes spill at d64 and d128 alike)."""
-        return 32
+    def backward_step_tiles(self) -> int:
+        """Buffers for a step's P^T and dS^T in the dK/dV kernel: 2 (side by side), or 1 (dS^T over P^T
+        once every warp has used it: two more barriers per step). Tiles of up to 64 keys take one, so that
+        two CTAs share an SM (their registers allow it; at d128 two buffers would not fit twice)."""
+        return 1 if self.tile.block_n <= 64 else 2
 
     @property
     def backward_warps(self) -> int:
@@ -139,11 +145,11 @@ class KernelConfig:
 
     @property
     def backward_shared_bytes(self) -> int:
-        """sizeof(DkdvShared): K and V tiles, dS^T [block_n][64], 2 stages of (64 rows of Q and dO, their
-        lse, Delta and 3 int32 token tables), 3 int32 key tables."""
+        """sizeof(DkdvShared): K and V tiles, P^T and dS^T [block_n][64] (backward_step_tiles buffers), 2
+        stages of (64 rows of Q and dO, their lse, Delta and 3 int32 token tables), 3 int32 key tables."""
         n, d, rows = self.tile.block_n, self.head_dim, self.BACKWARD_STEP_ROWS
         stage = 2 * rows * d * 2 + 2 * 4 * rows + 12 * rows
-        return 2 * n * d * 2 + n * rows * 2 + 2 * stage + 12 * n
+        return 2 * n * d * 2 + self.backward_step_tiles * n * rows * 2 + 2 * stage + 12 * n
 
     @property
     def dq_shared_bytes(self) -> int:
@@ -423,8 +429,14 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
             if backward_problems else ""
         ),
         "step_rows": KernelConfig.BACKWARD_STEP_ROWS,
-        "pass_rows": config.backward_pass_rows,
         "bwd_warps": config.backward_warps,
+        "bwd_step_tiles": config.backward_step_tiles,
+        "bwd_step_tiles_reason": (
+            "P^T and dS^T side by side: one barrier between the score and gradient layouts per step."
+            if config.backward_step_tiles == 2 else
+            f"P^T, then dS^T in one buffer: two more barriers per step, {config.tile.block_n * 128 // 1024} KB less "
+            "shared memory, so that two CTAs share an SM."
+        ),
         "bwd_threads": 32 * config.backward_warps,
         "bwd_shared_bytes": config.backward_shared_bytes,
         "dq_warps": config.dq_warps,

@@ -401,7 +401,7 @@ def test_default_tile_kernels_do_not_spill(tmp_path, monkeypatch):
         for kernel in ("forward_kernel", "dkdv_kernel", "dq_kernel", "delta_kernel"):
             assert kernel in names, f"{kernel} missing from the ptxas report of {result.variant.module}"
         for name, (stack, spill_stores, spill_loads, registers) in kernels.items():
-            # codegen.SPILL_ALLOWANCE_BYTES says why the forward may spill a few bytes and no other kernel any.
+            # codegen.SPILL_ALLOWANCE_BYTES says which kernels may spill a few bytes, and why; no other kernel any.
             limit = codegen.spill_allowance(name)
             assert max(stack, spill_stores, spill_loads) <= limit, f"{name}: stack/spills {stack}/{spill_stores}/{spill_loads}"
             assert registers <= 255

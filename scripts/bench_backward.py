@@ -1,0 +1,73 @@
+"""Time omnigen's forward and backward per pinned tile, for kernel work on one GPU.
+
+bench_attention.py compares omnigen with its peers at the tuned tiles; this script holds the tile fixed
+so that two versions of the templates can be compared (run it once per source tree, e.g.
+`PYTHONPATH=old-tree python3 scripts/bench_backward.py` and `PYTHONPATH=. python3 ...`, each with its own
+OMNIGEN_CACHE_DIR). Workload as in bench_attention: Transfusion layouts (or the plain causal mask),
+B * S = --tokens, bf16. Prints milliseconds and effective TFLOP/s (allowed pairs only; backward = 2.5x
+the forward FLOPs).
+
+    python3 scripts/bench_backward.py --tiles 128x64w4 64x128w4 --dims 128 --sizes 8192 32768
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import omnigen  # noqa: E402
+from bench_attention import CAUSAL, TRANSFUSION, bench, random_inputs, transfusion_layout  # noqa: E402
+
+
+def parse_tile(text: str) -> omnigen.TileConfig:
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:s(\d+))?", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"tile {text!r}: expected BLOCK_MxBLOCK_NwWARPS[sSTAGES], e.g. 128x64w4")
+    m, n, w, s = match.groups()
+    return omnigen.TileConfig(block_m=int(m), block_n=int(n), warps=int(w), stages=int(s or 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[parse_tile("128x64w4")])
+    parser.add_argument("--dims", nargs="+", type=int, default=[128])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[8192, 32768])
+    parser.add_argument("--rules", choices=("transfusion", "causal"), nargs="+", default=["transfusion", "causal"])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--heads", type=int, default=16)
+    args = parser.parse_args()
+
+    print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF':>7} {'bwd TF':>7} {'f+b TF':>7}")
+    for rules_name in args.rules:
+        rules = CAUSAL if rules_name == "causal" else TRANSFUSION
+        for dim in args.dims:
+            for S in args.sizes:
+                B = max(1, args.tokens // S)
+                rng = random.Random(0)
+                if rules_name == "causal":
+                    layout = omnigen.Layout.batch([omnigen.Layout.from_segments([("text", S)])] * B)
+                else:
+                    layout = omnigen.Layout.batch([transfusion_layout(S, rng) for _ in range(B)])
+                pairs = omnigen.plan(rules, layout, 128, 64).allowed_pairs
+                flops = 4.0 * dim * pairs * args.heads
+                q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0)
+                for tile in args.tiles:
+                    kernel = omnigen.build(rules, dim, torch.bfloat16, tile=tile)
+                    forward_ms = bench(lambda: kernel(q, k, v, layout))
+                    out = kernel(q, k, v, layout)
+                    both_ms = bench(lambda: torch.autograd.grad(kernel(q, k, v, layout), (q, k, v), d_o))
+                    backward_ms = both_ms - forward_ms
+                    del out
+                    label = f"{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}"
+                    print(f"{rules_name:<12} {dim:>4} {S:>6} {label:<14} {forward_ms:8.3f} {backward_ms:8.3f} "
+                          f"{flops / forward_ms * 1e-9:7.1f} {2.5 * flops / backward_ms * 1e-9:7.1f} "
+                          f"{3.5 * flops / both_ms * 1e-9:7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
