@@ -24,8 +24,13 @@ __device__ __forceinline__ void cp_async_4(void* shared, const void* global, boo
                "r"(source_bytes));
 }
 
-// blockIdx.y / blockIdx.z read so that the compiler cannot hoist what is computed from them out of a
+// blockIdx.x / .y / .z read so that the compiler cannot hoist what is computed from them out of a
 // loop (asm volatile is never moved): a kernel short of registers recomputes instead of holding.
+__device__ __forceinline__ int block_index_x() {
+  int value;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(value));
+  return value;
+}
 __device__ __forceinline__ int block_index_y() {
   int value;
   asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(value));
