@@ -132,11 +132,17 @@ def candidates(rules, batch, q, k, v, S):
     return out
 
 
-def measure(rules, dim: int, S: int, tokens: int, heads: int, seed: int) -> list[dict]:
+def standard_batch(rules, S: int, tokens: int, seed: int) -> tuple[int, omnigen.LayoutBatch]:
+    """(B, layouts) of the workload: B = tokens // S elements, each its own Transfusion-style layout for
+    TRANSFUSION, one causal text run for the other rules."""
     rng = random.Random(seed)
     B = max(1, tokens // S)
     layout_fn = transfusion_layout if rules is TRANSFUSION else (lambda n, _: omnigen.Layout.from_segments([("text", n)]))
-    batch = omnigen.Layout.batch([layout_fn(S, rng) for _ in range(B)])
+    return B, omnigen.Layout.batch([layout_fn(S, rng) for _ in range(B)])
+
+
+def measure(rules, dim: int, S: int, tokens: int, heads: int, seed: int) -> list[dict]:
+    B, batch = standard_batch(rules, S, tokens, seed)
     q, k, v, d_out = random_inputs(B, heads, S, dim, seed)
     rows = []
     for name, (forward, pairs) in candidates(rules, batch, q, k, v, S).items():

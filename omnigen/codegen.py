@@ -169,7 +169,7 @@ class KernelConfig:
                        f"must be a multiple of {self.BACKWARD_STEP_ROWS}")
         warps = self.backward_warps
         if t.block_n % 16 or not (warps % 4 == 0 or 4 % warps == 0) or warps > 32:
-            out.append(f"the backward gives each warp 16 keys: block_n ({t.block_n}) must be 16, 32 or a multiple of 64 up to 512")
+            out.append(f"the backward runs a warp per 16 keys: block_n ({t.block_n}) must be 16, 32 or a multiple of 64 up to 512")
         if t.block_n > 64 and t.block_n % 64:
             out.append(f"the deterministic dQ kernel scores 64 keys per step: block_n ({t.block_n}) must be <= 64 or a multiple of 64")
         if self.dq_warps > 32:

@@ -12,7 +12,6 @@ the forward FLOPs).
 from __future__ import annotations
 
 import argparse
-import random
 import re
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import omnigen  # noqa: E402
-from bench_attention import CAUSAL, TRANSFUSION, bench, random_inputs, transfusion_layout  # noqa: E402
+from bench_attention import CAUSAL, TRANSFUSION, bench, random_inputs, standard_batch  # noqa: E402
 
 
 def parse_tile(text: str) -> omnigen.TileConfig:
@@ -47,24 +46,16 @@ def main() -> None:
         rules = CAUSAL if rules_name == "causal" else TRANSFUSION
         for dim in args.dims:
             for S in args.sizes:
-                B = max(1, args.tokens // S)
-                rng = random.Random(0)
-                if rules_name == "causal":
-                    layout = omnigen.Layout.batch([omnigen.Layout.from_segments([("text", S)])] * B)
-                else:
-                    layout = omnigen.Layout.batch([transfusion_layout(S, rng) for _ in range(B)])
+                B, layout = standard_batch(rules, S, args.tokens, seed=0)
                 pairs = omnigen.plan(rules, layout, 128, 64).allowed_pairs
                 flops = 4.0 * dim * pairs * args.heads
                 q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0)
                 for tile in args.tiles:
                     kernel = omnigen.build(rules, dim, torch.bfloat16, tile=tile)
                     forward_ms = bench(lambda: kernel(q, k, v, layout))
-                    out = kernel(q, k, v, layout)
                     both_ms = bench(lambda: torch.autograd.grad(kernel(q, k, v, layout), (q, k, v), d_o))
                     backward_ms = both_ms - forward_ms
-                    del out
-                    label = f"{tile.block_m}x{tile.block_n}w{tile.warps}s{tile.stages}"
-                    print(f"{rules_name:<12} {dim:>4} {S:>6} {label:<14} {forward_ms:8.3f} {backward_ms:8.3f} "
+                    print(f"{rules_name:<12} {dim:>4} {S:>6} {tile.label:<14} {forward_ms:8.3f} {backward_ms:8.3f} "
                           f"{flops / forward_ms * 1e-9:7.1f} {2.5 * flops / backward_ms * 1e-9:7.1f} "
                           f"{3.5 * flops / both_ms * 1e-9:7.1f}", flush=True)
 
