@@ -303,7 +303,7 @@ def build_variants(
     return [results[v.entry_name] for v in variants]
 
 
-def _failure_summary(build_dir: Path, v: Variant, output: str) -> str:
+def _failure_summary(build_dir: Path, output: str) -> str:
     """The compiler's first error line for one variant (its per-object logs), else ninja's FAILED line."""
     for log in sorted(build_dir.glob("*.log")):
         for line in log.read_text(errors="replace").splitlines():
@@ -338,7 +338,7 @@ def _build_locked(variants: list[Variant], jobs: int | None,
         for v in variants:
             build_dir = build_dirs[v.entry_name]
             if keep_going and not (build_dir / v.extension_file).is_file():
-                out[v.entry_name] = BuildResult(v, False, seconds, {}, error=_failure_summary(build_dir, v, output))
+                out[v.entry_name] = BuildResult(v, False, seconds, {}, error=_failure_summary(build_dir, output))
                 continue
             meta = _install(v, build_dir, seconds)
             out[v.entry_name] = BuildResult(v, True, seconds, meta)

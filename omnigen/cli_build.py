@@ -11,7 +11,7 @@ from . import cache, codegen
 from .toolchain import BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, visible_gpu_arch
 from .cli import UserError, cli, user_errors
 from .codegen import KernelConfig
-from .rules import Rules
+from .rules import KernelSpec, Rules
 
 
 def _human_bytes(count: int) -> str:
@@ -91,10 +91,8 @@ def _tuning_job(rules: Rules, layouts_file: str | None, seq_lens: tuple[int, ...
         if layouts_file:
             tune_layouts.read_layouts_file(layouts_file, rules)  # still report a malformed file
         return None, "no CUDA GPU is visible here (torch.cuda.is_available() is False)"
-    spec = rules.kernel
-    head_dims = spec.head_dims if spec else (64, 128)
-    dtypes = spec.dtypes if spec else ("bf16",)
-    job = tune.prepare(rules, head_dims, dtypes, arch, tune_db.Device.current(), seq_lens, layouts_file)
+    spec = rules.kernel or KernelSpec()
+    job = tune.prepare(rules, spec.head_dims, spec.dtypes, arch, tune_db.Device.current(), seq_lens, layouts_file)
     return job, None
 
 

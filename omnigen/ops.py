@@ -18,12 +18,13 @@ from typing import Any, Mapping
 import torch
 
 from . import toolchain
-from . import cache, codegen, tune_db
+from . import cache, codegen, tune_db, tune_space
 from .layout import AnyLayout, Layout, LayoutBatch, as_layout
 from .plan import Plan, plan
 from .rules import Rules, TileConfig
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+TORCH_DTYPES = {name: t for t, name in DTYPE_NAMES.items()}
 _PLAN_CACHE_SIZE = 16
 
 
@@ -46,7 +47,8 @@ class Kernel:
         self.config = config
         self.module = module
         self.tuned: dict[int, tune_db.Choice] = dict(tuned or {})
-        self.dtype = next(t for t, name in DTYPE_NAMES.items() if name == config.dtype)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self._untuned = tune_db.Choice(config, config)  # what choice() returns where nothing was tuned
         self._modules: dict[codegen.KernelConfig, Any] = {config: module}
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._lock = threading.Lock()
@@ -63,7 +65,7 @@ class Kernel:
     def choice(self, seq_len: int) -> tune_db.Choice:
         """The (forward, backward) configs a call with this sequence length runs."""
         found = tune_db.nearest(self.tuned, seq_len)
-        return found if found is not None else tune_db.Choice(self.config, self.config)
+        return found if found is not None else self._untuned
 
     def module_for(self, config: codegen.KernelConfig) -> Any:
         """The module of one of this kernel's configs (loaded, or built, on first use)."""
@@ -267,11 +269,7 @@ def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str |
             raise RuntimeError("no CUDA GPU is visible: pass arch='sm_80' or 'sm_90a' to build for one anyway")
     arch = toolchain.check_arch(arch)
     if tile is None:
-        fitting = [
-            t for t in (rules.kernel.tiles if rules.kernel else ())
-            if not codegen.KernelConfig(head_dim, DTYPE_NAMES[dtype], arch, t).problems()
-        ]
-        tile = fitting[0] if fitting else codegen.default_tile(head_dim)
+        tile = tune_space.default_config(rules, head_dim, DTYPE_NAMES[dtype], arch).tile
     config = codegen.KernelConfig(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], arch=arch, tile=tile)
     config.check()
     return config

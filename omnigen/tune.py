@@ -3,8 +3,8 @@ remember it (tune_db). The steps, each its own function so the CLI can show prog
 
     job = prepare(rules, head_dims, dtypes, arch, device)      # candidate space, layouts per bucket (CPU)
     reused = reusable(job)                                     # fresh database entries for the same job
-    results = compile_candidates(job)                          # one parallel ninja graph, keep going
-    entries = measure(job, results)                            # verify, time, pick, write the database
+    notes = compile_candidates(job)                            # one parallel ninja graph, keep going
+    entries = measure(job)                                     # verify, time, pick, write the database
 
 The space comes from tune_space (rules' tiles or the default space, pruned before compiling and
 again by ptxas after). Every candidate is verified once before it is timed: against a float64
@@ -153,12 +153,6 @@ def apply_builds(job: Job, results: list[cache.BuildResult]) -> list[str]:
     return notes
 
 
-def missing_builds(job: Job) -> int:
-    """How many of the job's variants are not in the cache yet (for the progress bar's length)."""
-    return sum(cache.entry_problem(v.entry, v.key) is not None
-               for v in (cache.variant(job.rules, c) for c in job.configs))
-
-
 # ------------------------------------------------------------------------------------------------
 # verifying and timing (CUDA from here on)
 
@@ -181,10 +175,10 @@ def _verification_case(job: Job, head_dim: int, dtype: str, device: str):
 
     import torch
 
-    from .ops import DTYPE_NAMES
+    from .ops import TORCH_DTYPES
     from .reference import attention_reference, attention_reference_grads
 
-    torch_dtype = next(t for t, name in DTYPE_NAMES.items() if name == dtype)
+    torch_dtype = TORCH_DTYPES[dtype]
     rng = random.Random(f"verify:{job.rules.name}")
     batch = LayoutBatch([tune_layouts.synthetic_layout(job.rules, VERIFY_SEQ_LEN, rng) for _ in range(2)])
     g = torch.Generator(device=device).manual_seed(1234)
@@ -256,13 +250,13 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
     this orchestration (with stand-ins for the kernels and the timer)."""
     import torch
 
-    from .ops import DTYPE_NAMES, backward_pass, forward_pass
+    from .ops import TORCH_DTYPES, backward_pass, forward_pass
     from .plan import plan
 
     step = on_step or (lambda _n: None)
     entries: dict[str, dict[str, Any]] = {}
     for space in job.spaces:
-        torch_dtype = next(t for t, name in DTYPE_NAMES.items() if name == space.dtype)
+        torch_dtype = TORCH_DTYPES[space.dtype]
         modules = {c.config: cache.get_module(job.rules, c.config) for c in space.candidates}
         case = _verification_case(job, space.head_dim, space.dtype, device)
         verified = [_verify(job, c, modules[c.config], case) for c in space.candidates]
@@ -285,10 +279,9 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
             default_label = space.default.tile.label
             # The anchor: the default config's results on the timed inputs (the first verified candidate
             # if the default itself failed); every other candidate must agree with it before it is timed.
-            anchor_fwd = next((t for t in ([timed.get(default_label)] + list(timed.values()))
-                               if t is not None and t.candidate.forward), None)
-            anchor_bwd = next((t for t in ([timed.get(default_label)] + list(timed.values()))
-                               if t is not None and t.candidate.backward), None)
+            order = [t for t in (timed.get(default_label), *timed.values()) if t is not None]
+            anchor_fwd = next((t for t in order if t.candidate.forward), None)
+            anchor_bwd = next((t for t in order if t.candidate.backward), None)
             problems: dict[str, dict[str, str]] = {label: {} for label in timed}
             out_ref = lse_ref = None
             if anchor_fwd is not None:
@@ -333,9 +326,8 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
                 rows.append(_row(t.candidate, fwd_ms, bwd_ms, flops, problems[label], label == default_label,
                                  label == fwd_winner, label == bwd_winner))
             for config, error in space.failed.items():
-                rows.append({"tile": config.tile.label, "fwd_ms": None, "bwd_ms": None, "fwd_tflops": None,
-                             "bwd_tflops": None, "default": config == space.default, "winner": "",
-                             "status": f"failed to compile: {error}"})
+                failed = tune_space.Candidate(config, forward_problem=f"failed to compile: {error}")
+                rows.append(_row(failed, math.inf, math.inf, flops, {}, config == space.default, False, False))
             if fwd_winner is None:
                 continue  # nothing ran: no entry (the default keeps being used)
             forward = {"tile": tune_db.tile_to_dict(timed[fwd_winner].candidate.config.tile),
@@ -405,5 +397,5 @@ def tune_kernel(rules: Rules, head_dim: int, dtype: str, seq_lens: tuple[int, ..
     return tune_db.lookup(device, rules, dtype, head_dim, arch)
 
 
-__all__ = ["DEFAULT_SEQ_LENS", "Job", "ShapeSpace", "apply_builds", "compile_candidates", "count_steps", "measure", "missing_builds",
+__all__ = ["DEFAULT_SEQ_LENS", "Job", "ShapeSpace", "apply_builds", "compile_candidates", "count_steps", "measure",
            "prepare", "reusable", "tune_kernel"]
