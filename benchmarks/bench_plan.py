@@ -42,16 +42,7 @@ def transfusion_segments(seq_len: int, seed: int = 0) -> list[tuple[str, int]]:
 
 def time_calls(fn, repeats: int, sync=lambda: None) -> float:
     """Median wall time of fn() in milliseconds, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return time_alternating({"": fn}, repeats, sync, rounds=1)[""]
 
 
 def time_alternating(fns: dict, repeats: int, sync, rounds: int = 5) -> dict:

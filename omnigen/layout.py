@@ -113,6 +113,14 @@ class LayoutTables:
     def device(self) -> torch.device:
         return self.packed.device
 
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """numpy views of `packed` (on the host; copied there first where it is elsewhere): the 7
+        segment rows as int64 [7, num_segments] and token_segment as flat int32 [B * S]. Cheaper
+        than the tensor views for the host planner, which reads these only."""
+        n = self.num_segments
+        host = self.packed.cpu().numpy()
+        return host[: 7 * n].reshape(7, n), host[token_offset(n) :].view(np.int32)[: self.batch_size * self.seq_len]
+
     def to(self, device: torch.device | str) -> "LayoutTables":
         return LayoutTables(self.batch_size, self.seq_len, self.num_segments, self.packed.to(device))
 
@@ -462,7 +470,9 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
         lo = hi
     np.subtract(end, lengths, out=start)
     host[tokens_at:].view(np.int32)[:n_tokens] = np.repeat(np.arange(n_segments, dtype=np.int32), lengths)
-    packed = torch.from_numpy(host) if staging is None else staging.to(device, non_blocking=True)
+    packed = torch.from_numpy(host) if staging is None else staging
+    if device.type != "cpu":
+        packed = packed.to(device, non_blocking=True)
     return LayoutTables(batch_size=len(layouts), seq_len=seq_len, num_segments=n_segments, packed=packed)
 
 

@@ -39,6 +39,7 @@ schedules: three launches and one host sync, results identical to `_classify` + 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -193,7 +194,7 @@ class Plan:
         return Plan(
             block_m=self.block_m, block_n=self.block_n, batch_size=self.batch_size, seq_len=self.seq_len,
             batched=self.batched, pair_count=self.pair_count, rules_hash=self.rules_hash,
-            tables=self.tables if self.tables.seg_start.device == torch.device(device) else self.tables.to(device),
+            tables=self.tables if self.tables.device == torch.device(device) else self.tables.to(device),
             **moved,
         )
 
@@ -378,14 +379,9 @@ class _CpuTables:
 
     @classmethod
     def of(cls, tables: LayoutTables) -> "_CpuTables":
-        def host(t: torch.Tensor) -> np.ndarray:
-            return t.detach().cpu().numpy().reshape(-1)
-
-        return cls(
-            tables.batch_size, tables.seq_len, host(tables.seg_start), host(tables.seg_end),
-            host(tables.seg_modality), host(tables.seg_visible_start), host(tables.seg_visible_end),
-            host(tables.token_segment),
-        )
+        rows, token_segment = tables.host_arrays()
+        start, end, modality, _, _, visible_start, visible_end = rows
+        return cls(tables.batch_size, tables.seq_len, start, end, modality, visible_start, visible_end, token_segment)
 
 
 def _ragged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -403,7 +399,9 @@ def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) ->
     return torch.from_numpy(grid), _allowed_pairs_host(rules, host_tables)
 
 
+@functools.lru_cache(maxsize=64)
 def _host_rules(rules: Rules) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(see, causal, window) of `rule_tensors` as numpy arrays (cached: a few us a plan otherwise)."""
     rt = rule_tensors(rules, "cpu")
     return rt["see"].numpy(), rt["causal"].numpy(), rt["window"].numpy()
 

@@ -52,7 +52,7 @@ import torch
 from .layout import LayoutTables
 from .rules import Rules
 
-try:  # Triton is optional: without it plan() runs its tensor-op path
+try:  # Triton is optional: without it plan() runs its host path
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the environment
@@ -91,29 +91,27 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _rule_table(rules: Rules, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The rules as one int64 tensor on `device`, cached per (rules object, device).
+    """The rules as one int64 tensor on `device`, cached per (rules, device), as `plan.rule_tensors`.
 
     Layout (M user modalities, pad id = M): weight rows [2M, M+1] (row m = E_m: see(m -> k) is
     earlier or all; row M + m = L_m: see(m -> k) is all; pad columns weigh 0), then causal [M+1]
     (0/1), then window [M+1] (0 = none).
     """
-    # Keyed by identity (Rules is frozen), not by mask hash + modality names + device name, which
-    # took a few us a plan to build. The entry holds the rules object, so its id stays unique.
-    key = (id(rules), device.index)
+    # Keyed by the frozen Rules itself (hashing it is well under a us; the same object compares by
+    # identity), not by mask hash + modality names + device name, which took a few us a plan to build.
+    key = (rules, device.index)
     cached = _RULE_CACHE.get(key)
-    if cached is not None and cached[0] is rules:
-        return cached[1], cached[2]
-    from .plan import SEE_ALL, SEE_EARLIER, rule_tensors
+    if cached is None:
+        from .plan import SEE_ALL, SEE_EARLIER, rule_tensors
 
-    rt = rule_tensors(rules, torch.device("cpu"))
-    n_mod = len(rules.modalities)
-    see = rt["see"][:n_mod]  # [M, M+1]
-    weights = torch.cat([(see >= SEE_EARLIER).long(), (see == SEE_ALL).long()])  # [2M, M+1]
-    packed = torch.cat([weights.reshape(-1), rt["causal"].long(), rt["window"].long()]).to(device)
-    if len(_RULE_CACHE) >= 256:  # rules made afresh per call would otherwise pile up
-        _RULE_CACHE.clear()
-    _RULE_CACHE[key] = (rules, packed, bool(rules.has_windows))
-    return packed, bool(rules.has_windows)
+        rt = rule_tensors(rules, torch.device("cpu"))
+        n_mod = len(rules.modalities)
+        see = rt["see"][:n_mod]  # [M, M+1]
+        weights = torch.cat([(see >= SEE_EARLIER).long(), (see == SEE_ALL).long()])  # [2M, M+1]
+        packed = torch.cat([weights.reshape(-1), rt["causal"].long(), rt["window"].long()]).to(device)
+        cached = (packed, bool(rules.has_windows))
+        _RULE_CACHE[key] = cached
+    return cached
 
 
 class _Scratch(NamedTuple):
@@ -133,7 +131,6 @@ class _Scratch(NamedTuple):
     nq: int
     nk: int
     n_zero: int
-    cap: int  # R * nk: every tile
     inline: bool
     words: int  # int64 words to allocate
     # sizes for splitting the int32 view: inline [head, fwd_ptr, bwd_ptr, counts + grid, fwd_kv, bwd_q, tail],
@@ -159,7 +156,7 @@ def _scratch_layout(B: int, S: int, nseg: int, n_mod: int, block_m: int, block_n
         pieces = pointers + [fwd_kv - fwd_ptr - 3 * (R + C) - 2, cap, cap, 2 * words - fwd_kv - 2 * cap]
     else:
         pieces = pointers + [2 * words - fwd_ptr - 3 * (R + C) - 2]
-    return _Scratch(R, C, nq, nk, n_zero, cap, inline, words, tuple(pieces))
+    return _Scratch(R, C, nq, nk, n_zero, inline, words, tuple(pieces))
 
 
 def classify_and_schedule(
@@ -168,7 +165,7 @@ def classify_and_schedule(
     """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q, allowed_pairs), equal to the CPU path's, on the tables' device."""
     if triton is None:
         raise RuntimeError("the GPU planner needs Triton")
-    device = tables.packed.device
+    device = tables.device
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device
             return classify_and_schedule(rules, tables, block_m, block_n)
@@ -181,7 +178,7 @@ def classify_and_schedule(
     work = torch.empty(lay.words, dtype=torch.int64, device=device)
     args = (tables.packed, rule_table, work, B, S, nseg, n_mod, block_m, block_n)
     # Direct launches need every integer argument to keep its int32 type (all are <= B * S or a tile size).
-    direct = max(B * S, block_m, block_n) <= _INT32_MAX and _launch_hooks_idle()
+    direct = _DIRECT_LAUNCH and max(B * S, block_m, block_n) <= _INT32_MAX and _launch_hooks_idle()
 
     large = nseg >= 256
     _PREP((max(1, _cdiv(lay.n_zero, _ZBLOCK)), 1, 1), args,
@@ -247,7 +244,6 @@ class _Launcher:
 
     def __call__(self, grid: tuple[int, int, int], args: tuple, constants: tuple, num_warps: int,
                  direct: bool) -> None:
-        direct = direct and _DIRECT_LAUNCH
         if direct:
             driver = triton.runtime.driver.active
             key = (driver.get_current_device(), constants, num_warps)

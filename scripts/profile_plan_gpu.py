@@ -12,31 +12,20 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_plan import RULES, transfusion_segments  # noqa: E402
+from bench_plan import RULES, time_calls, transfusion_segments  # noqa: E402
 
 import omnigen  # noqa: E402
 from omnigen import plan_gpu  # noqa: E402
 
 
 def median_us(fn, repeats: int = 200) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+    return 1e3 * time_calls(fn, repeats, torch.cuda.synchronize)
 
 
 def main() -> None:
