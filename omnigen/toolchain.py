@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .codegen import DEFAULT_ARCHS, INCLUDE_DIR, KernelConfig, source_names
+from .codegen import DEFAULT_ARCHS, INCLUDE_DIRS, KernelConfig, source_names
 from .rules import ARCHS
 
 FALLBACK_NVCC = (Path("/usr/local/cuda/bin/nvcc"),)
@@ -296,7 +296,7 @@ def module_ninja(build_dir: Path, module: str, rules_name: str, config: KernelCo
     kernel_object = build_dir / f"{stem}.cu.o"
     binding_object = build_dir / f"{stem}_binding.o"
     extension = build_dir / f"{module}{toolchain.ext_suffix}"
-    includes = ["-I" + str(INCLUDE_DIR), "-I" + str(build_dir)]
+    includes = ["-I" + str(d) for d in INCLUDE_DIRS] + ["-I" + str(build_dir)]
     host_includes = includes + ["-I" + toolchain.pybind11_include, "-I" + toolchain.python_include,
                                 "-I" + str(toolchain.cuda_home / "include")]
     e = _ninja_escape

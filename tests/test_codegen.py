@@ -89,7 +89,7 @@ def test_everything_that_shapes_the_binary_changes_the_module_or_the_key(monkeyp
     key = cache.cache_key(sources, headers, flags, toolchain, "sm_80")
     assert cache.cache_key(sources, headers, flags, toolchain, "sm_80") == key
 
-    changed_headers = dict(headers, **{"omnigen/mma.cuh": headers["omnigen/mma.cuh"] + "\n// edit"})
+    changed_headers = dict(headers, **{"omnigen/sm80/mma.cuh": headers["omnigen/sm80/mma.cuh"] + "\n// edit"})
     assert cache.cache_key(sources, changed_headers, flags, toolchain, "sm_80") != key
     assert cache.cache_key(sources, headers, {**flags, "nvcc": ["-O2"]}, toolchain, "sm_80") != key
     assert cache.cache_key(sources, headers, flags, {"nvcc": "13.1.0"}, "sm_80") != key
@@ -101,7 +101,7 @@ def test_everything_that_shapes_the_binary_changes_the_module_or_the_key(monkeyp
 
     # A template edit renames the module (so its sources and key change too).
     original = codegen.template_files()
-    edited_templates = tuple((n, d + b"\n// edit" if n == "forward.cu.j2" else d) for n, d in original)
+    edited_templates = tuple((n, d + b"\n// edit" if n == "sm80/templates/forward.cu.j2" else d) for n, d in original)
     monkeypatch.setattr(codegen, "template_files", lambda: edited_templates)
     assert codegen.module_name(rules, CONFIG) != base_name
     monkeypatch.undo()
@@ -191,9 +191,9 @@ def test_default_tiles_fit():
 
 
 def test_templates_found_from_the_package():
-    assert (codegen.TEMPLATE_DIR / "forward.cu.j2").is_file()
-    assert codegen.TEMPLATE_DIR.parent == Path(omnigen.__file__).resolve().parent
-    assert set(codegen.header_files()) >= {"omnigen/mma.cuh", "omnigen/ldmatrix.cuh", "omnigen/cp_async.cuh",
+    assert (codegen.TEMPLATE_DIRS[0] / "forward.cu.j2").is_file()
+    assert codegen.KERNELS_DIR.parent == Path(omnigen.__file__).resolve().parent
+    assert set(codegen.header_files()) >= {"omnigen/sm80/mma.cuh", "omnigen/sm80/ldmatrix.cuh", "omnigen/sm80/cp_async.cuh",
                                            "omnigen/forward_args.h"}
 
 
@@ -212,7 +212,7 @@ def test_wheel_ships_the_templates(tmp_path):
     wheel = next((tmp_path / "dist").glob("omnigen-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for template in codegen.template_files():
-        assert f"omnigen/templates/{template[0]}" in names
+        assert f"omnigen/kernels/{template[0]}" in names
 
 
 def test_kernel_section_does_not_rename_or_change_variants():

@@ -3,8 +3,8 @@
 #pragma once
 #include <cstdint>
 
-#include "omnigen/cp_async.cuh"
-#include "omnigen/smem_tile.cuh"
+#include "omnigen/sm80/cp_async.cuh"
+#include "omnigen/sm80/smem_tile.cuh"
 
 namespace omnigen {
 

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "omnigen/cp_async.cuh"  // shared_address
+#include "omnigen/sm80/cp_async.cuh"  // shared_address
 
 namespace omnigen {
 
