@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omnigen  # noqa: E402
-from omnigen.plan import rule_tensors  # noqa: E402
+from omnigen.mask import rule_tensors  # noqa: E402
 
 TRANSFUSION = omnigen.Rules(name="transfusion", modalities={"text": "causal", "image": "full"})
 CAUSAL = omnigen.Rules(name="causal", modalities={"text": "causal"})

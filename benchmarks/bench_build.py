@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = r"""
 import json, sys, time
 import omnigen
-from omnigen import cache
-from omnigen.codegen import KernelConfig, default_tile
+from omnigen.jit import cache
+from omnigen.kernels.sm80.resources import default_tile
+from omnigen.targets import KernelConfig
 rules = omnigen.Rules(name="bench_build", modalities={"text": "causal", "image": "full"})
 config = KernelConfig(head_dim=int(sys.argv[1]), dtype="bf16", arch=sys.argv[2], tile=default_tile(int(sys.argv[1])))
 start = time.perf_counter()
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from omnigen.toolchain import describe_toolchain, find_toolchain, visible_gpu_arch
+    from omnigen.jit.toolchain import describe_toolchain, find_toolchain, visible_gpu_arch
 
     arch = args.arch or visible_gpu_arch() or "sm_80"
     with tempfile.TemporaryDirectory(prefix="omnigen-bench-") as cache_dir:

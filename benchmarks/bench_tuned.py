@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omnigen  # noqa: E402
-from omnigen import tune_layouts, tune_space  # noqa: E402
+from omnigen.tune import layouts as tune_layouts  # noqa: E402
+from omnigen.tune import space as tune_space  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     rules = omnigen.Rules.load(args.rules)
-    arch = omnigen.toolchain.visible_gpu_arch()
+    arch = omnigen.jit.toolchain.visible_gpu_arch()
     print(f"{rules.name}, bf16, H={args.heads}, B*S={args.tokens}, GPU: {torch.cuda.get_device_name()}")
     print(" | ".join(["D", "S", "tuned fwd / bwd tile", "default fwd ms", "tuned fwd ms", "default fwd+bwd ms",
                       "tuned fwd+bwd ms", "fwd+bwd speedup"]))

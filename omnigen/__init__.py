@@ -1,15 +1,17 @@
 """omnigen: FlashAttention kernels generated for interleaved multimodal masks."""
 
-__version__ = "0.1.0"  # first: the submodules below read it
 
+from .version import __version__
 from .layout import Layout, LayoutBatch, PaddingReport, Segment
 from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Plan, plan
-from .rules import KernelSpec, Modality, Rules, RulesError, TileConfig
-from .ops import Kernel, attention, build
+from .rules import Modality, Rules, RulesError
+from .targets import KernelConfig, KernelSpec, TileConfig
+from .op import Kernel, attention, build
 
 
 __all__ = [
+    "__version__",
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
-    "Kernel", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Modality", "PaddingReport", "Plan", "Rules", "RulesError",
+    "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Modality", "PaddingReport", "Plan", "Rules", "RulesError",
     "Segment", "TileConfig", "plan",
 ]

@@ -1,8 +1,8 @@
-"""References: the dense mask, float64 attention, and a CPU emulator of the kernels' tile loop.
+"""References: the pair-by-pair mask oracle, float64 attention, and a CPU emulator of the kernels' tile loop.
 
 `allowed_pair` is DESIGN section 1 read literally, one pair at a time, from the segments: the
-oracle the vectorised code is tested against. `tile_predicate` is the predicate the generated
-kernels evaluate on partial tiles, written over the same per-token tables they read.
+oracle the vectorised code is tested against (`omnigen.mask.tile_predicate`, the predicate the
+generated kernels evaluate on partial tiles).
 The emulator walks a `Plan`'s schedules exactly as a kernel does (online softmax forward;
 dK/dV per kv-tile over the backward schedule, dQ accumulated), so a wrong plan gives a wrong
 emulated result.
@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from .layout import AnyLayout, Layout, LayoutTables, as_layout
-from .plan import CAUSAL, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, Plan, rule_tensors
+from .layout import Layout
+from .mask import CAUSAL, FULL, PARTIAL, SCHEDULE_KINDS, rule_tensors, tile_predicate
+from .plan import Plan
 from .rules import PAD, Rules
 
 # --------------------------------------------------------------------------------------------
@@ -42,40 +43,6 @@ def allowed_pair(rules: Rules, layout: Layout, q: int, k: int) -> bool:
     if ok and window > 0:
         ok = q - k < window
     return ok
-
-
-def tile_predicate(
-    rules: Rules, tables: LayoutTables, batch: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
-    rule_t: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """allowed[q_pos x k_pos] for batch element `batch`, from the per-token tables only."""
-    rule_t = rule_t or rule_tensors(rules, q_pos.device)
-    qp, kp = q_pos[:, None], k_pos[None, :]
-    seg_q = tables.token_segment[batch, q_pos].long()[:, None]
-    seg_k = tables.token_segment[batch, k_pos].long()[None, :]
-    mod_q = tables.token_modality[batch, q_pos].long()[:, None]
-    mod_k = tables.token_modality[batch, k_pos].long()[None, :]
-    pad = rules.pad_id
-    allowed = (mod_q != pad) & (mod_k != pad)
-    if rules.isolated_documents:
-        allowed &= tables.token_doc[batch, q_pos][:, None] == tables.token_doc[batch, k_pos][None, :]
-    see = rule_t["see"][mod_q, mod_k]
-    own = torch.where(rule_t["causal"][mod_q], kp <= qp, torch.ones_like(allowed))
-    other = torch.where(seg_k < seg_q, see >= SEE_EARLIER, see == SEE_ALL)
-    allowed &= torch.where(seg_q == seg_k, own, other)
-    window = rule_t["window"][mod_q]
-    allowed &= (window == 0) | (qp - kp < window)
-    return allowed
-
-
-def dense_mask(rules: Rules, layout: AnyLayout | str, device: torch.device | str | None = None) -> torch.Tensor:
-    """The whole mask, torch.bool [S, S] (or [B, S, S] for a batch). O(S^2): for tests and plots."""
-    layout = as_layout(layout)
-    tables = layout.tables(rules, device)
-    positions = torch.arange(tables.seq_len, device=tables.token_segment.device)
-    rule_t = rule_tensors(rules, positions.device)
-    masks = torch.stack([tile_predicate(rules, tables, b, positions, positions, rule_t) for b in range(tables.batch_size)])
-    return masks if tables.batch_size > 1 or not isinstance(layout, Layout) else masks[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,13 +18,13 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from .mask import dense_mask
+from .targets import ARCHS, DTYPES, HEAD_DIMS, KernelSpec, TileConfig
+
 PAD = "pad"
 SELF_POLICIES = ("causal", "full")
 SEE_POLICIES = ("earlier", "none", "all")
 DOCUMENT_POLICIES = ("isolated", "shared")
-DTYPES = ("bf16", "fp16")
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
-HEAD_DIMS = (64, 128, 256)
 MAX_WINDOW = 2**31 - 1
 
 _NAME_RE = re.compile(r"^[a-z0-9_]+$")
@@ -88,28 +88,6 @@ class Modality:
     @property
     def causal(self) -> bool:
         return self.self == "causal"
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int = 128
-    block_n: int = 64
-    warps: int = 4
-    stages: int = 2
-
-    @property
-    def label(self) -> str:
-        return f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """The optional `kernel:` section: what `omnigen build` compiles and tunes."""
-
-    head_dims: tuple[int, ...] = (64, 128)
-    dtypes: tuple[str, ...] = ("bf16",)
-    archs: tuple[str, ...] = ()  # empty: the visible GPU, else sm_80 and sm_90a
-    tiles: tuple[TileConfig, ...] = ()  # empty: the tuner's default space
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,8 +343,8 @@ class Rules:
         return any(m.window > 0 for m in self.modalities)
 
     def dense_mask(self, layout: Any, device: Any = None) -> Any:
-        from .reference import dense_mask
-
+        """torch.bool [S, S] for a Layout ([B, S, S] for a LayoutBatch): every allowed (query, key) pair.
+        O(S^2) memory: for tests, plots and the SDPA peer, never for the kernels."""
         return dense_mask(self, layout, device=device)
 
     def __str__(self) -> str:

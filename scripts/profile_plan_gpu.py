@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_plan import RULES, time_calls, transfusion_segments  # noqa: E402
 
 import omnigen  # noqa: E402
-from omnigen import plan_gpu  # noqa: E402
+from omnigen.plan import gpu as plan_gpu  # noqa: E402
 
 
 def median_us(fn, repeats: int = 200) -> float:

@@ -12,7 +12,7 @@ import stat
 import sys
 from pathlib import Path
 
-from omnigen import toolchain as tools
+from omnigen.jit import toolchain as tools
 
 SCRIPT = r"""#!/bin/sh
 out=""

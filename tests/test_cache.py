@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import omnigen
-from omnigen import cache
-from omnigen.codegen import KernelConfig, TileConfig
+from omnigen.jit import cache
+from omnigen.targets import KernelConfig, TileConfig
 
 from test_toolchain import HAS_NVCC
 
@@ -29,8 +29,8 @@ needs_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 WORKER = r"""
 import json, sys, time
 import omnigen
-from omnigen import cache
-from omnigen.codegen import KernelConfig, TileConfig
+from omnigen.jit import cache
+from omnigen.targets import KernelConfig, TileConfig
 rules = omnigen.Rules(name="cachetest", modalities={"text": "causal", "image": "full"})
 config = KernelConfig(head_dim=64, dtype="bf16", arch="sm_80", tile=TileConfig(64, 64, 4, 2))
 v = cache.variant(rules, config)
@@ -96,7 +96,7 @@ def test_lock_is_not_a_leftover_file(tmp_path, monkeypatch):
     """A lock file left by a dead holder blocks nobody: flock dies with its process."""
     monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path))
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom omnigen import cache\n"
+        [sys.executable, "-c", "import time\nfrom omnigen.jit import cache\n"
          "with cache.module_lock('m'):\n    print('held', flush=True)\n    time.sleep(60)"],
         env=_environment(tmp_path), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 import omnigen
-import omnigen.cli_mask  # noqa: F401  (registers show and plan on the group)
 from omnigen import figures
 from omnigen.cli import cli
 
@@ -135,7 +134,7 @@ def test_large_sequence_shows_tiles_without_the_dense_mask(monkeypatch: pytest.M
         raise AssertionError("the dense S x S mask must not be built for a large S")
 
     monkeypatch.setattr(omnigen.Rules, "dense_mask", no_dense)
-    monkeypatch.setattr("omnigen.reference.dense_mask", no_dense)
+    monkeypatch.setattr("omnigen.rules.dense_mask", no_dense)
     layout = " ".join(["text:100 image:924"] * 64)  # 65,536 tokens
     start = time.perf_counter()
     result = _invoke("show", "--rules", str(EXAMPLES / "transfusion.yaml"), "--layout", layout, "--width", "100")

@@ -14,8 +14,13 @@ import jinja2
 import pytest
 
 import omnigen
-from omnigen import cache, codegen
-from omnigen.codegen import KernelConfig, TileConfig
+from omnigen import kernels
+from omnigen.kernels.sm80.resources import Resources, default_tile
+from omnigen.targets import DEFAULT_ARCHS
+from omnigen.kernels import family_of
+from omnigen.kernels.family import KERNELS_DIR
+from omnigen.jit import cache, codegen, regenerate
+from omnigen.targets import KernelConfig, TileConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = KernelConfig(head_dim=128, dtype="bf16", arch="sm_80")
@@ -41,22 +46,22 @@ name: transfusion
 
 
 def test_generated_sources_are_current():
-    """generated/ is exactly what the templates render now. Fix: python -m omnigen.codegen --regenerate"""
-    expected = codegen.generated_tree()
+    """generated/ is exactly what the templates render now. Fix: python -m omnigen.jit.regenerate --regenerate"""
+    expected = regenerate.generated_tree()
     assert expected, "examples/rules/ produced nothing"
-    on_disk = {p.relative_to(codegen.GENERATED_DIR).as_posix(): p.read_text()
-               for p in codegen.GENERATED_DIR.rglob("*") if p.is_file()}
+    on_disk = {p.relative_to(regenerate.GENERATED_DIR).as_posix(): p.read_text()
+               for p in regenerate.GENERATED_DIR.rglob("*") if p.is_file()}
     stale = sorted(set(on_disk) - set(expected))
     missing = sorted(set(expected) - set(on_disk))
     changed = sorted(name for name in set(expected) & set(on_disk) if expected[name] != on_disk[name])
     assert not (stale or missing or changed), (
         f"generated/ is out of date (changed: {changed[:5]}, missing: {missing[:5]}, stale: {stale[:5]}); "
-        "run: python -m omnigen.codegen --regenerate"
+        "run: python -m omnigen.jit.regenerate --regenerate"
     )
 
 
 def test_check_command_passes():
-    result = subprocess.run([sys.executable, "-m", "omnigen.codegen", "--check"], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "omnigen.jit.regenerate", "--check"], cwd=REPO, capture_output=True,
                             text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -83,7 +88,7 @@ def test_everything_that_shapes_the_binary_changes_the_module_or_the_key(monkeyp
     rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
     base_name = codegen.module_name(rules, CONFIG)
     sources = codegen.render(rules, CONFIG)
-    headers = codegen.header_files()
+    headers = codegen.header_files(CONFIG)
     flags = {"nvcc": ["-O3"], "cxx": ["-O1"], "link": []}
     toolchain = {"nvcc": "13.0.88"}
     key = cache.cache_key(sources, headers, flags, toolchain, "sm_80")
@@ -109,7 +114,7 @@ def test_everything_that_shapes_the_binary_changes_the_module_or_the_key(monkeyp
 
     other_arch = KernelConfig(head_dim=128, dtype="bf16", arch="sm_90a")
     assert codegen.module_name(rules, other_arch) != base_name
-    assert "code=sm_90a" in " ".join(__import__("omnigen.toolchain", fromlist=["x"]).nvcc_flags(other_arch))
+    assert "code=sm_90a" in " ".join(__import__("omnigen.jit.toolchain", fromlist=["x"]).nvcc_flags(other_arch))
 
 
 def test_emitted_code_reads_like_the_rules():
@@ -157,7 +162,7 @@ def test_binding_carries_metadata():
 
 
 def test_strict_undefined():
-    env = codegen._environment()
+    env = codegen._environment(family_of(CONFIG))
     assert env.undefined is jinja2.StrictUndefined
     with pytest.raises(jinja2.UndefinedError):
         env.get_template("binding.cpp.j2").render({})
@@ -166,7 +171,7 @@ def test_strict_undefined():
 def test_targets_follow_the_kernel_section():
     rules = omnigen.Rules.load(REPO / "examples" / "rules" / "transfusion.yaml")
     configs = codegen.targets(rules)
-    assert {c.arch for c in configs} == set(codegen.DEFAULT_ARCHS)
+    assert {c.arch for c in configs} == set(DEFAULT_ARCHS)
     assert codegen.targets(rules, ["sm_90a"])[0].arch == "sm_90a"
     plain = omnigen.Rules(name="plain", modalities={"text": "causal"})
     assert [c.label for c in codegen.targets(plain, ["sm_80"])] == ["bf16_d64_m128n64w4s2_sm_80", "bf16_d128_m128n64w4s2_sm_80"]
@@ -187,13 +192,13 @@ def test_unbuildable_variants_say_why(config, message):
 def test_default_tiles_fit():
     for head_dim in (64, 128, 256):
         for arch in ("sm_80", "sm_86", "sm_90a"):
-            assert not KernelConfig(head_dim, "bf16", arch, codegen.default_tile(head_dim)).problems()
+            assert not kernels.problems(KernelConfig(head_dim, "bf16", arch, default_tile(head_dim)))
 
 
 def test_templates_found_from_the_package():
-    assert (codegen.TEMPLATE_DIRS[0] / "forward.cu.j2").is_file()
-    assert codegen.KERNELS_DIR.parent == Path(omnigen.__file__).resolve().parent
-    assert set(codegen.header_files()) >= {"omnigen/sm80/mma.cuh", "omnigen/sm80/ldmatrix.cuh", "omnigen/sm80/cp_async.cuh",
+    assert (family_of(CONFIG).template_dirs[0] / "forward.cu.j2").is_file()
+    assert KERNELS_DIR.parent == Path(omnigen.__file__).resolve().parent
+    assert set(codegen.header_files(CONFIG)) >= {"omnigen/sm80/mma.cuh", "omnigen/sm80/ldmatrix.cuh", "omnigen/sm80/cp_async.cuh",
                                            "omnigen/forward_args.h"}
 
 
@@ -234,8 +239,8 @@ def test_backward_is_rendered_next_to_the_forward():
     for text in ("__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel", "dq_kernel", "delta_kernel",
                  "// Full path: no mask work.", "// Causal path: one compare per score.",
                  "// Partial path: the generated predicate.", "allowed(rule", "row_rule(", "Mma::run",
-                 "omnigen::atomic_add_pair", f"static_assert(kDkdvSharedBytes == {CONFIG.backward_shared_bytes}",
-                 f"static_assert(kDqSharedBytes == {CONFIG.dq_shared_bytes}"):
+                 "omnigen::atomic_add_pair", f"static_assert(kDkdvSharedBytes == {Resources(CONFIG).backward_shared_bytes}",
+                 f"static_assert(kDqSharedBytes == {Resources(CONFIG).dq_shared_bytes}"):
         assert text in backward, text
     assert "#define" not in backward
     binding = files[names["binding"]]
@@ -246,13 +251,13 @@ def test_backward_is_rendered_next_to_the_forward():
 
 def test_variants_without_a_backward_say_why():
     rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
-    wide = KernelConfig(256, "bf16", "sm_90a", codegen.default_tile(256))
-    assert not wide.problems() and wide.backward_problems()
+    wide = KernelConfig(256, "bf16", "sm_90a", default_tile(256))
+    assert not kernels.problems(wide) and kernels.backward_problems(wide)
     files = codegen.render(rules, wide)
     backward = files[codegen.source_names(rules, wide)["backward"]]
     # Delta still works; no dK/dV or dQ kernel is compiled.
     assert "dkdv_kernel(const" not in backward and "dq_kernel(const" not in backward and "delta_kernel(const" in backward
     assert "has no backward kernel: the backward holds dK and dV" in backward
     assert "constexpr bool kHasBackward = false;" in files[codegen.source_names(rules, wide)["binding"]]
-    assert not KernelConfig(128, "bf16", "sm_80").backward_problems()
-    assert "multiple of 64" in " ".join(KernelConfig(64, "bf16", "sm_80", TileConfig(32, 32, 2, 2)).backward_problems())
+    assert not kernels.backward_problems(KernelConfig(128, "bf16", "sm_80"))
+    assert "multiple of 64" in " ".join(kernels.backward_problems(KernelConfig(64, "bf16", "sm_80", TileConfig(32, 32, 2, 2))))

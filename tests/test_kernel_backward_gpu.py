@@ -1,7 +1,7 @@
 """The generated backward kernels against float64 gradients, on a GPU (skipped without one).
 
 Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
-raw-pointer `forward`, then `backward_delta` and `backward` exactly as ops.py does, and compares dq, dk and dv
+raw-pointer `forward`, then `backward_delta` and `backward` through the library's own launchers, and compares dq, dk and dv
 with `attention_reference_grads` in float64. The bound is twice the error of torch's own computation in the
 same precision (SDPA's math backend with the dense mask, through autograd) against the same reference, plus
 a floor of one unit in the last place of the largest gradient. Outputs are poisoned with NaN first (dq too in
@@ -24,10 +24,15 @@ import pytest
 import torch
 
 import omnigen
-from omnigen import cache, codegen
-from omnigen.codegen import KernelConfig, TileConfig, default_tile
+from omnigen import kernels
+from omnigen.kernels.sm80.resources import spill_allowance
+from omnigen.jit import cache
+from omnigen.kernels.sm80.launch import launch_backward, launch_delta, launch_forward
+from omnigen.tune.timing import median_ms
+from omnigen.kernels.sm80.resources import default_tile
+from omnigen.targets import KernelConfig, TileConfig
 from omnigen.reference import attention_reference_grads
-from omnigen.toolchain import kernel_log, visible_gpu_arch
+from omnigen.jit.toolchain import kernel_log, visible_gpu_arch
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
@@ -71,45 +76,32 @@ def built_variants():
               (MIXED, 128, "bf16", None), (TRANSFUSION, 256, "bf16", None)]
     needed += [(TRANSFUSION, d, "bf16", tile) for d, tile in OTHER_TILES]
     configs = [(r, _config(d, t, arch, tile)) for r, d, t, tile in needed]
-    cache.build_variants([cache.variant(r, c) for r, c in configs if not c.problems()])
+    cache.build_variants([cache.variant(r, c) for r, c in configs if not kernels.problems(c)])
 
 
 # ------------------------------------------------------------------------------------------------
 # calling the ABI
 
 
-def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
-
-
 def run_forward(module, plan, q, k, v, scale):
     B, Hq, S, D = q.shape
-    t = plan.tables
     o = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, S), float("nan"), device=q.device, dtype=torch.float32)
-    module.forward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        B, Hq, k.shape[1], S, scale,
-        plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(),
-        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(), _stream(),
-    )
+    launch_forward(module, plan, q, k, v, o, lse, scale)
     return o, lse
 
 
 def run_delta(module, o, d_o):
     B, Hq, S, _ = o.shape
     delta = torch.full((B, Hq, S), float("nan"), device=o.device, dtype=torch.float32)
-    module.backward_delta(o.data_ptr(), d_o.data_ptr(), delta.data_ptr(), *o.stride()[:3], *d_o.stride()[:3],
-                          B, Hq, S, _stream())
+    launch_delta(module, o, d_o, delta)
     return delta
 
 
 def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=False, strided_out=False):
-    """(dq, dk, dv) in float32, dk/dv summed over each GQA group as ops.py does."""
+    """(dq, dk, dv) in float32, dk/dv summed over each GQA group as the op does."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
-    t = plan.tables
     # Atomic mode adds into dq_accum, so it starts at zero; deterministic mode overwrites it: poison it.
     dq_accum = torch.full((B, Hq, S, D), float("nan") if deterministic else 0.0, device=q.device, dtype=torch.float32)
     if Hq == Hkv:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
@@ -121,16 +113,7 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     else:  # float32 partials per query head
         dk = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
         dv = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
-    module.backward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), delta.data_ptr(),
-        dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *d_o.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3],
-        B, Hq, Hkv, S, scale,
-        plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(), plan.bwd_ptr.data_ptr(), plan.bwd_q.data_ptr(),
-        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-        deterministic, _stream(),
-    )
+    launch_backward(module, plan, q, k, v, o, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
     torch.cuda.synchronize()
     if Hq != Hkv:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
@@ -268,7 +251,7 @@ def test_deterministic_backward(built_variants, case, head_dim, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_backward_other_tiles(built_variants, case, head_dim, tile, deterministic):
     name, rules, layout_texts, Hq, Hkv = case
-    problems = _config(head_dim, "bf16", visible_gpu_arch(), tile).problems()
+    problems = kernels.problems(_config(head_dim, "bf16", visible_gpu_arch(), tile))
     if problems:
         pytest.skip(f"not buildable on this GPU: {problems}")
     _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=name == "pad_docs_strided",
@@ -313,18 +296,8 @@ def test_backward_rejects_bad_arguments(built_variants):
         wide.backward(**good)
 
 
-def _timed(fn, repeats=10):
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] / 1e3
+def _timed(fn):
+    return median_ms(fn, reps=10) / 1e3  # seconds
 
 
 @pytest.mark.parametrize("head_dim,tile", [(128, None), (128, WIDE_TILE), (64, None)],
@@ -333,7 +306,7 @@ def _timed(fn, repeats=10):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_backward_speed_report(built_variants, head_dim, tile):
     """Not a benchmark (benchmarks/ has those): one rough figure per run, printed."""
-    if _config(head_dim, "bf16", visible_gpu_arch(), tile).problems():
+    if kernels.problems(_config(head_dim, "bf16", visible_gpu_arch(), tile)):
         pytest.skip("tile not buildable on this GPU")
     module = _module(TRANSFUSION, head_dim, "bf16", tile)
     segments = []
@@ -350,18 +323,11 @@ def test_backward_speed_report(built_variants, head_dim, tile):
     delta = run_delta(module, o, d_o)
     dq_accum = torch.zeros(B, H, S, D, device="cuda", dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    t = plan.tables
 
     def backward(deterministic):
         if not deterministic:
             dq_accum.zero_()  # the caller's job in atomic mode, so it is timed with it
-        module.backward(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), d_o.data_ptr(), delta.data_ptr(),
-            dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *d_o.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3], B, H, H, S, scale,
-            plan.fwd_ptr.data_ptr(), plan.fwd_kv.data_ptr(), plan.bwd_ptr.data_ptr(), plan.bwd_q.data_ptr(),
-            t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(), deterministic, _stream())
+        launch_backward(module, plan, q, k, v, o, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
 
     forward = _timed(lambda: run_forward(module, plan, q, k, v, scale))
     atomic = _timed(lambda: backward(False))
@@ -401,7 +367,7 @@ def test_default_tile_kernels_do_not_spill(tmp_path, monkeypatch):
         for kernel in ("forward_kernel", "dkdv_kernel", "dq_kernel", "delta_kernel"):
             assert kernel in names, f"{kernel} missing from the ptxas report of {result.variant.module}"
         for name, (stack, spill_stores, spill_loads, registers) in kernels.items():
-            # codegen.SPILL_ALLOWANCE_BYTES says which kernels may spill a few bytes, and why; no other kernel any.
-            limit = codegen.spill_allowance(name)
+            # SPILL_ALLOWANCE_BYTES (kernels/sm80/resources.py) says which kernels may spill a few bytes, and why; no other kernel any.
+            limit = spill_allowance(name)
             assert max(stack, spill_stores, spill_loads) <= limit, f"{name}: stack/spills {stack}/{spill_stores}/{spill_loads}"
             assert registers <= 255

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import omnigen.cli_mask  # noqa: F401  (registers show and plan on the group)
 from omnigen import Layout, Rules, RulesError
 from omnigen.cli import cli
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import omnigen
-from omnigen import ops
+from omnigen.op import kernel as ops
 from omnigen.reference import attention_reference, attention_reference_grads
 
 RULES = omnigen.Rules(name="opstest", modalities={"text": "causal", "image": "full"}, see={"text -> image": "all"})
@@ -17,7 +17,7 @@ class _FakeModule:
 
 
 def _kernel(head_dim=64, dtype="bf16"):
-    from omnigen import codegen
+    from omnigen.jit import codegen
 
     config = codegen.KernelConfig(head_dim=head_dim, dtype=dtype, arch="sm_80")
     return ops.Kernel(RULES, config, _FakeModule())

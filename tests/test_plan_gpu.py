@@ -1,4 +1,4 @@
-"""The fused Triton planner (omnigen/plan_gpu.py) against the CPU path, array for array.
+"""The fused Triton planner (omnigen/plan/gpu.py) against the CPU path, array for array.
 
 Every case plans the same rules and layout with `omnigen.plan(..., device="cuda")` (which must go
 through plan_gpu) and with the CPU path (`_classify` + `_schedules`), and compares fwd_ptr,
@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import omnigen
-from omnigen import plan_gpu
+from omnigen.plan import gpu as plan_gpu
 
 from strategies import layouts, rules
 
-plan_module = importlib.import_module("omnigen.plan")  # the module, not omnigen.plan the function
+plan_module = importlib.import_module("omnigen.plan.host")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 SCHEDULE = ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q")

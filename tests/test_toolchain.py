@@ -14,13 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 import omnigen
-from omnigen import cache
-from omnigen import toolchain as tools
+from omnigen.jit import cache
+from omnigen.jit import toolchain as tools
 from omnigen.cli import cli
-from omnigen.cli import _register as register_commands
-from omnigen.codegen import KernelConfig, TileConfig
+from omnigen.targets import KernelConfig, TileConfig
 
-register_commands()
 REPO = Path(__file__).resolve().parent.parent
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
@@ -236,7 +234,7 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     # Same rules, no kernel: section, --arch sm_80: the default tile, which is not built yet -> skip
     # the compile by pointing the CLI only at what exists: inspect shows the built module path.
     out = tmp_path / "out"
-    import omnigen.cli_build as cli_build
+    import omnigen.cli.build as cli_build
 
     original = cli_build.codegen.targets
     try:

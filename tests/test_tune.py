@@ -15,15 +15,26 @@ import torch
 from click.testing import CliRunner
 
 import omnigen
-from omnigen import cache, codegen, ops, tune, tune_db, tune_layouts, tune_space, tune_timing
-from omnigen.cli import _register as register_commands
+from omnigen import kernels
+from omnigen.kernels.sm80.resources import default_tile
+from omnigen.kernels.sm80.resources import spill_allowance
+from omnigen.kernels.sm80 import launch as sm80_launch
+from omnigen.kernels.sm80 import space as sm80_space
+from omnigen import tune
+from omnigen.jit import cache, codegen
+from omnigen.op import kernel as ops
+from omnigen.tune import db as tune_db
+from omnigen.tune import layouts as tune_layouts
+from omnigen.tune import job as tune_job
+from omnigen.tune import measurement as tune_measurement
+from omnigen.tune import space as tune_space
+from omnigen.tune import timing as tune_timing
 from omnigen.cli import cli
-from omnigen.codegen import KernelConfig
-from omnigen.rules import TileConfig
+from omnigen.targets import KernelConfig
+from omnigen.targets import TileConfig
 
 from fake_toolchain import fake_toolchain
 
-register_commands()
 REPO = Path(__file__).resolve().parent.parent
 RULES = omnigen.Rules(name="tunetest", modalities={"text": "causal", "image": "full"})
 DEVICE = tune_db.Device("NVIDIA Test GPU", "9.0", "13.0.88")
@@ -43,11 +54,11 @@ def cache_dir(tmp_path, monkeypatch):
 def test_default_space_only_holds_tiles_the_templates_take(head_dim):
     candidates, pruned = tune_space.candidate_space(RULES, head_dim, "bf16", "sm_90a")
     assert not pruned, pruned
-    assert candidates[0].config == KernelConfig(head_dim, "bf16", "sm_90a", codegen.default_tile(head_dim))
-    assert len(candidates) == len(tune_space.DEFAULT_SPACE[head_dim]) >= 4
+    assert candidates[0].config == KernelConfig(head_dim, "bf16", "sm_90a", default_tile(head_dim))
+    assert len(candidates) == len(sm80_space.DEFAULT_SPACE[head_dim]) >= 4
     for c in candidates:
-        assert not c.config.problems()
-        assert c.backward == (not c.config.backward_problems())
+        assert not kernels.problems(c.config)
+        assert c.backward == (not kernels.backward_problems(c.config))
     if head_dim == 256:
         assert not any(c.backward for c in candidates)  # no d256 backward kernel: forward-only candidates
     else:
@@ -86,7 +97,7 @@ def test_ptxas_spills_prune_only_the_pass_that_spills():
         "_ZN3ns9dq_kernelE12BackwardArgs": {"spill_store_bytes": 64, "spill_load_bytes": 64}}}
     pruned = tune_space.prune_by_ptxas(candidate, report)
     assert pruned.forward and not pruned.backward and "808 B" in pruned.backward_problem
-    # within the dK/dV kernel's allowance (codegen.SPILL_ALLOWANCE_BYTES): usable
+    # within the dK/dV kernel's allowance (SPILL_ALLOWANCE_BYTES (kernels/sm80/resources.py)): usable
     report["kernels"]["_ZN3ns11dkdv_kernelE12BackwardArgs"] = {"spill_store_bytes": 136, "spill_load_bytes": 140}
     assert tune_space.prune_by_ptxas(candidate, report) == candidate
     # the deterministic dQ kernel is not what the tuner times: its spills do not prune
@@ -96,10 +107,10 @@ def test_ptxas_spills_prune_only_the_pass_that_spills():
 
 
 def test_forward_spill_allowance():
-    """The forward may spill the few per-tile bytes codegen.SPILL_ALLOWANCE_BYTES allows, not more."""
+    """The forward may spill the few per-tile bytes SPILL_ALLOWANCE_BYTES (kernels/sm80/resources.py) allows, not more."""
     candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90a"))
-    allowance = codegen.spill_allowance("_ZN3ns14forward_kernelE11ForwardArgs")
-    assert allowance > 0 and codegen.spill_allowance("_ZN3ns9dq_kernelE12BackwardArgs") == 0
+    allowance = spill_allowance("_ZN3ns14forward_kernelE11ForwardArgs")
+    assert allowance > 0 and spill_allowance("_ZN3ns9dq_kernelE12BackwardArgs") == 0
 
     def report(stores, loads):
         return {"kernels": {"_ZN3ns14forward_kernelE11ForwardArgs": {"spill_store_bytes": stores, "spill_load_bytes": loads}}}
@@ -110,7 +121,7 @@ def test_forward_spill_allowance():
 
 
 def test_build_table_marks_tolerated_spills():
-    from omnigen.cli_build import _ptxas_cells
+    from omnigen.cli.build import _ptxas_cells
 
     def meta(forward, dkdv):
         kernels = {"_ZN3ns14forward_kernelE11ForwardArgs": {"spill_store_bytes": forward, "spill_load_bytes": forward},
@@ -118,11 +129,12 @@ def test_build_table_marks_tolerated_spills():
         return {"ptxas": {"registers": 255, "spill_store_bytes": forward + dkdv, "spill_load_bytes": forward + dkdv,
                           "kernels": kernels}}
 
-    assert _ptxas_cells(meta(0, 0)) == ["255", "0 B"]
-    assert _ptxas_cells(meta(8, 0)) == ["255", "16 B*"]  # the forward's per-tile spill: tolerated
-    assert _ptxas_cells(meta(8, 136)) == ["255", "288 B*"]  # the dK/dV kernel's per-step addresses: tolerated
-    assert _ptxas_cells(meta(8, 400)) == ["255", "816 B"]   # beyond its allowance: not
-    assert _ptxas_cells({}) == ["?", "?"]
+    config = KernelConfig(128, "bf16", "sm_90a")
+    assert _ptxas_cells(config, meta(0, 0)) == ["255", "0 B"]
+    assert _ptxas_cells(config, meta(8, 0)) == ["255", "16 B*"]  # the forward's per-tile spill: tolerated
+    assert _ptxas_cells(config, meta(8, 136)) == ["255", "288 B*"]  # the dK/dV kernel's per-step addresses: tolerated
+    assert _ptxas_cells(config, meta(8, 400)) == ["255", "816 B"]   # beyond its allowance: not
+    assert _ptxas_cells(config, {}) == ["?", "?"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +171,7 @@ def _entry(bucket=8192, forward=TileConfig(128, 64, 4, 2), backward=TileConfig(1
         forward={"tile": tune_db.tile_to_dict(forward), "ms": 1.0, "tflops": 300.0},
         backward={"tile": tune_db.tile_to_dict(backward), "ms": 2.7, "tflops": 250.0},
         default={"tile": tune_db.tile_to_dict(TileConfig(128, 64, 4, 2)), "fwd_ms": 1.0, "bwd_ms": 3.0},
-        candidates=[row], space=list(space), workload={"layouts": tune.SYNTHETIC_WORKLOAD},
+        candidates=[row], space=list(space), workload={"layouts": tune_job.SYNTHETIC_WORKLOAD},
     )
 
 
@@ -231,7 +243,7 @@ def test_reuse_needs_every_bucket_fresh_with_the_same_space_and_layouts(cache_di
     assert sorted(job.layouts) == [2048, 4096] and [c.label for c in space.candidates] == space.labels
     entries = {job.key(space, b): _entry(b, head_dim=64, space=space.labels) for b in (2048, 4096)}
     for entry in entries.values():
-        entry["workload"].update(tokens=8192, heads=tune.HEADS)
+        entry["workload"].update(tokens=8192, heads=tune_job.HEADS)
     assert tune.reusable(job, entries) == entries
     assert tune.reusable(job, {k: v for k, v in entries.items() if "S4096" not in k}) == {}
     changed = {k: {**v, "space": space.labels[:2]} for k, v in entries.items()}
@@ -308,10 +320,10 @@ def test_round_robin_rotates_so_nobody_always_runs_first():
 
 
 def test_a_candidate_must_beat_the_default_by_the_margin():
-    assert tune._pick("d", {"d": 10.0, "x": 9.95}) == "d"  # within 1%: noise, keep the default
-    assert tune._pick("d", {"d": 10.0, "x": 9.5}) == "x"
-    assert tune._pick("d", {"d": float("inf"), "x": 12.0}) == "x"  # the default was disqualified
-    assert tune._pick("d", {"x": float("inf")}) is None
+    assert tune_measurement._pick("d", {"d": 10.0, "x": 9.95}) == "d"  # within 1%: noise, keep the default
+    assert tune_measurement._pick("d", {"d": 10.0, "x": 9.5}) == "x"
+    assert tune_measurement._pick("d", {"d": float("inf"), "x": 12.0}) == "x"  # the default was disqualified
+    assert tune_measurement._pick("d", {"x": float("inf")}) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -337,11 +349,11 @@ def test_failed_candidate_scores_infinity_and_the_rest_builds(cache_dir, tmp_pat
     space = job.spaces[0]
     assert list(space.failed) == [KernelConfig(64, "bf16", "sm_90a", TileConfig(64, 64, 4, 2))]
     assert "error: planted failure" in next(iter(space.failed.values()))
-    assert len(space.candidates) == len(tune_space.DEFAULT_SPACE[64]) - 1
+    assert len(space.candidates) == len(sm80_space.DEFAULT_SPACE[64]) - 1
     spilled = next(c for c in space.candidates if c.config.tile == TileConfig(128, 64, 4, 3))
     assert not spilled.forward and spilled.backward and notes == [f"{spilled.config.label}: {spilled.forward_problem}"]
     installed = list((cache_dir / "modules").iterdir())
-    assert len(installed) == len(tune_space.DEFAULT_SPACE[64]) - 1
+    assert len(installed) == len(sm80_space.DEFAULT_SPACE[64]) - 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -388,7 +400,7 @@ def test_build_tune_without_a_gpu_says_why(monkeypatch):
 
 
 def _no_gpu(monkeypatch, tmp_path):
-    import omnigen.cli_build as cli_build
+    import omnigen.cli.build as cli_build
 
     toolchain = fake_toolchain(tmp_path / "tools")
     monkeypatch.setattr(cli_build, "visible_gpu_arch", lambda: None)
@@ -437,7 +449,7 @@ def test_cache_list_shows_tuned_shapes_and_stale_ones(cache_dir):
 
 
 def test_tuning_table_shows_candidates_winners_and_speedups():
-    from omnigen.cli_build import _tuning_table
+    from omnigen.cli.build import _tuning_table
 
     entry = _entry(8192)
     entry["workload"].update(batch=4, seq_len=8192, heads=16, density=0.51)
@@ -465,14 +477,14 @@ def test_tuning_table_shows_candidates_winners_and_speedups():
 class _ReferenceModule:
     def __init__(self, config: KernelConfig, wrong: bool = False):
         self.MODULE_NAME = config.label
-        self.HAS_BACKWARD = not config.backward_problems()
+        self.HAS_BACKWARD = not kernels.backward_problems(config)
         self.BLOCK_M, self.BLOCK_N = config.tile.block_m, config.tile.block_n
         self.wrong = wrong
 
 
 def _mask_of(p, rules):
-    from omnigen.plan import rule_tensors
-    from omnigen.reference import tile_predicate
+    from omnigen.mask import rule_tensors
+    from omnigen.mask import tile_predicate
 
     positions = torch.arange(p.seq_len)
     rule_t = rule_tensors(rules, positions.device)
@@ -486,7 +498,7 @@ def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
         {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2}, {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2},
         {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}, {"block_m": 128, "block_n": 64, "warps": 4, "stages": 3}]}})
     job = tune.prepare(rules, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[256], tokens=512)
-    monkeypatch.setattr(tune, "VERIFY_SEQ_LEN", 150)
+    monkeypatch.setattr(tune_measurement, "VERIFY_SEQ_LEN", 150)
     labels = [c.label for c in job.spaces[0].candidates]
     assert labels == ["m128n64w4s2", "m128n128w8s2", "m64n64w4s2", "m128n64w4s3"]
     # m64n64w4s2 is "fast and wrong" in its forward; the rest are exact
@@ -502,8 +514,8 @@ def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
         assert (p.block_m, p.block_n) == (module.BLOCK_M, module.BLOCK_N)  # planned with the module's tile
         return tuple(g.to(q.dtype) for g in attention_reference_grads(q, k, v, _mask_of(p, rules), d_out, scale))
 
-    monkeypatch.setattr(ops, "forward_pass", forward_pass)
-    monkeypatch.setattr(ops, "backward_pass", backward_pass)
+    monkeypatch.setattr(sm80_launch, "forward_pass", forward_pass)
+    monkeypatch.setattr(sm80_launch, "backward_pass", backward_pass)
     # Median times per (pass, label): the 128x128 tile wins the forward by 10%, the 3-stage one is within
     # the 1% margin of the default's backward (noise: the default keeps it).
     fake = {"fwd": {"m128n64w4s2": 10.0, "m128n128w8s2": 9.0, "m64n64w4s2": 1.0, "m128n64w4s3": 9.95},
@@ -536,7 +548,7 @@ def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
     assert rows["m128n128w8s2"]["winner"] == "fwd" and rows["m128n64w4s2"]["winner"] == "bwd"
     assert rows["m128n64w4s2"]["default"] and rows["m128n64w4s2"]["status"] == "ok"
     pairs = entry["workload"]["pairs"]
-    assert rows["m128n64w4s2"]["fwd_tflops"] == round(4 * 64 * pairs * tune.HEADS / 10.0 / 1e9, 1)
+    assert rows["m128n64w4s2"]["fwd_tflops"] == round(4 * 64 * pairs * tune_job.HEADS / 10.0 / 1e9, 1)
     assert entry["workload"]["batch"] == 2 and entry["space"] == labels
     assert tune.reusable(job) == entries
 
@@ -544,11 +556,11 @@ def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
 def test_cli_tune_flow_builds_candidates_prints_tables_and_reuses(cache_dir, tmp_path, monkeypatch):
     """`omnigen build --tune` with a GPU, the GPU parts stood in for: one ninja graph for targets and
     candidates, a table per bucket, the database path; a second run reuses instead of timing."""
-    import omnigen.cli_build as cli_build
+    import omnigen.cli.build as cli_build
 
     _no_gpu(monkeypatch, tmp_path)
     monkeypatch.setattr(cli_build, "visible_gpu_arch", lambda: "sm_90a")
-    monkeypatch.setattr(omnigen.toolchain, "visible_gpu_arch", lambda: "sm_90a")  # default_archs() asks it
+    monkeypatch.setattr(omnigen.jit.toolchain, "visible_gpu_arch", lambda: "sm_90a")  # default_archs() asks it
     monkeypatch.setattr(tune_db.Device, "current", classmethod(lambda cls, device=None: DEVICE))
     measured = []
 
@@ -570,7 +582,7 @@ def test_cli_tune_flow_builds_candidates_prints_tables_and_reuses(cache_dir, tmp
     command = ["build", "--rules", str(rules), "--tune", "--seq-lens", "1000,4096"]
     first = CliRunner().invoke(cli, command)
     assert first.exit_code == 0, first.output
-    count = len(tune_space.DEFAULT_SPACE[64])
+    count = len(sm80_space.DEFAULT_SPACE[64])
     assert f"{count} built" in first.output  # the default target is one of the candidates: built once
     assert len(measured) == 1 and sorted(measured[0].layouts) == [1024, 4096]
     assert first.output.count("bf16 d64, S bucket") == 2 and "m128n64w4s2 (default)" in first.output

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 import omnigen
-from omnigen import cache, ops, tune, tune_db
-from omnigen.codegen import KernelConfig
+from omnigen import tune
+from omnigen.jit import cache
+from omnigen.op import kernel as ops
+from omnigen.tune import db as tune_db
+from omnigen.targets import KernelConfig
 from omnigen.reference import attention_reference, attention_reference_grads
-from omnigen.rules import TileConfig
+from omnigen.targets import TileConfig
 
 TILES = [TileConfig(128, 64, 4, 2), TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2)]
 RULES = omnigen.Rules.from_dict({
@@ -35,7 +38,7 @@ def private_cache(tmp_path_factory):
 
 
 def _configs():
-    arch = omnigen.toolchain.visible_gpu_arch()
+    arch = omnigen.jit.toolchain.visible_gpu_arch()
     return [KernelConfig(64, "bf16", arch, t) for t in TILES]
 
 
@@ -68,7 +71,7 @@ def test_forward_and_backward_on_different_tiles_match_float64(private_cache, fo
 
 @pytest.mark.gpu
 def test_small_tuning_job_end_to_end(private_cache, monkeypatch):
-    arch = omnigen.toolchain.visible_gpu_arch()
+    arch = omnigen.jit.toolchain.visible_gpu_arch()
     device = tune_db.Device.current()
     job = tune.prepare(RULES, [64], ["bf16"], arch, device, seq_lens=[1024, 4096], tokens=8192)
     assert [c.config.tile for c in job.spaces[0].candidates] == TILES
@@ -111,7 +114,7 @@ def test_small_tuning_job_end_to_end(private_cache, monkeypatch):
 
 @pytest.mark.gpu
 def test_a_fast_wrong_candidate_is_disqualified(private_cache, monkeypatch):
-    arch = omnigen.toolchain.visible_gpu_arch()
+    arch = omnigen.jit.toolchain.visible_gpu_arch()
     job = tune.prepare(RULES, [64], ["bf16"], arch, tune_db.Device.current(), seq_lens=[1024], tokens=4096)
     tune.compile_candidates(job)
     wrong_tile = TILES[2]

@@ -75,4 +75,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("inf")
 
 
-__all__ = ["DEFAULT_REPS", "DEFAULT_ROUNDS", "DEFAULT_WARMUP", "flush_buffer", "median", "rotation", "time_round_robin"]
+def median_ms(function: Callable[[], object], reps: int = 20, warmup: int = DEFAULT_WARMUP) -> float:
+    """Median milliseconds of one function (L2 flushed before each run): the quick figure tests print."""
+    return median(time_round_robin({"f": function}, rounds=1, reps=reps, warmup=warmup)["f"])
+
+
+__all__ = ["DEFAULT_REPS", "DEFAULT_ROUNDS", "DEFAULT_WARMUP", "flush_buffer", "median", "median_ms", "rotation", "time_round_robin"]

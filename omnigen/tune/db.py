@@ -23,12 +23,29 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import __version__, cache
-from .codegen import KernelConfig, template_digest
-from .rules import Rules, TileConfig
+from ..version import __version__
+from ..jit import cache
+from ..jit.codegen import template_digest
+from ..kernels import backward_problems, problems
+from ..rules import Rules
+from ..targets import KernelConfig, TileConfig
 
 FORMAT = 1
 MIN_BUCKET = 16
+
+_generation = 0  # bumped by record(): in-process users of the database (omnigen.attention) re-read it
+
+
+def record(entries: Mapping[str, Mapping[str, Any]]) -> None:
+    """Write new entries into the tuning database (the cache writes the file) and tell this process."""
+    global _generation
+    cache.update_tuning_db(dict(entries))
+    _generation += 1
+
+
+def generation() -> int:
+    """How many times this process has written the database: a kernel made before the last write is stale."""
+    return _generation
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,7 @@ class Device:
         """The visible GPU (or `device`) and the toolchain that builds for it. Needs CUDA."""
         import torch
 
-        from .toolchain import find_toolchain
+        from ..jit.toolchain import find_toolchain
 
         major, minor = torch.cuda.get_device_capability(device)
         return cls(torch.cuda.get_device_name(device), f"{major}.{minor}", find_toolchain().nvcc_version)
@@ -157,9 +174,9 @@ def choices(entries: Mapping[int, Mapping[str, Any]], head_dim: int, dtype: str,
         if forward is None:
             continue
         configs = [KernelConfig(head_dim, dtype, arch, t) for t in (forward, backward)]
-        if configs[0].problems() or configs[1].problems():
+        if problems(configs[0]) or problems(configs[1]):
             continue
-        if configs[1].backward_problems():  # a backward winner must have a backward kernel
+        if backward_problems(configs[1]):  # a backward winner must have a backward kernel
             configs[1] = configs[0]
         out[bucket] = Choice(*configs)
     return out

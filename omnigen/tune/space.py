@@ -6,9 +6,10 @@ backward are tuned separately (one may win with a tile the other loses with), so
 be usable for the forward only (head dim 256: no backward kernel; a backward that does not fit
 the arch's shared memory) and is then timed for the forward alone.
 
-Where the candidates come from: the rules' `kernel.tiles` when given, else DEFAULT_SPACE, a
-handful of shapes per head dim that the templates accept (KernelConfig.problems() and
-backward_problems() are the authority) and that compile in seconds. The default config -- what
+Where the candidates come from: the rules' `kernel.tiles` when given, else the family's
+candidate tiles, a
+handful of shapes per head dim from the kernel family (`kernels.problems()` and
+`kernels.backward_problems()` are the authority) and that compile in seconds. The default config -- what
 a kernel runs with no tuning -- is always a candidate, so the tuner's winner is measured against
 it in the same run.
 
@@ -27,24 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .codegen import KernelConfig, default_tile, excess_spill_bytes
-from .rules import Rules, TileConfig
-
-T = TileConfig
-# Per head dim: the default tile first, then shapes that trade rows per warp (registers), kv-tile
-# width (fewer, longer inner loops; fewer dK/dV CTAs in the backward), warps and pipeline depth.
-# Measured earlier on an H200 (RESULTS.md, issue 4): 128x128 / 8 warps is 8% faster for the d128
-# backward and 5% slower for its forward -- the kind of split this space is meant to find.
-DEFAULT_SPACE: dict[int, tuple[TileConfig, ...]] = {
-    64: (T(128, 64, 4, 2), T(128, 128, 8, 2), T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 64, 4, 3), T(64, 128, 4, 2)),
-    128: (T(128, 64, 4, 2), T(128, 128, 8, 2), T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 64, 4, 3), T(64, 128, 4, 2)),
-    256: (T(64, 32, 4, 2), T(64, 64, 4, 2), T(64, 32, 4, 3), T(128, 64, 8, 2)),
-}
-
-# Kernels of a module, by a substring of their (mangled) name in ptxas's report.
-FORWARD_KERNEL = "forward_kernel"
-BACKWARD_KERNEL = "dkdv_kernel"  # the tuned backward (atomic dQ) is this kernel plus the small Delta one
-
+from ..kernels import backward_problems, family_of, problems
+from ..rules import Rules
+from ..targets import KernelConfig, TileConfig
 
 @dataclass(frozen=True)
 class Candidate:
@@ -76,16 +62,16 @@ def default_config(rules: Rules, head_dim: int, dtype: str, arch: str) -> Kernel
     (the same choice omnigen.build makes)."""
     for tile in rules.kernel.tiles if rules.kernel else ():
         config = KernelConfig(head_dim, dtype, arch, tile)
-        if not config.problems():
+        if not problems(config):
             return config
-    return KernelConfig(head_dim, dtype, arch, default_tile(head_dim))
+    return KernelConfig(head_dim, dtype, arch, family_of(arch).default_tile(head_dim))
 
 
-def candidate_tiles(rules: Rules, head_dim: int) -> tuple[TileConfig, ...]:
-    """The rules' `kernel.tiles`, else the default space for the head dim (unfiltered)."""
+def candidate_tiles(rules: Rules, head_dim: int, arch: str) -> tuple[TileConfig, ...]:
+    """The rules' `kernel.tiles`, else the family's candidate tiles for the head dim (unfiltered)."""
     if rules.kernel is not None and rules.kernel.tiles:
         return rules.kernel.tiles
-    return DEFAULT_SPACE.get(head_dim, (default_tile(head_dim),))
+    return family_of(arch).candidate_tiles(head_dim)
 
 
 def prune(configs: list[KernelConfig]) -> tuple[list[Candidate], list[tuple[KernelConfig, str]]]:
@@ -93,11 +79,11 @@ def prune(configs: list[KernelConfig]) -> tuple[list[Candidate], list[tuple[Kern
     kept: list[Candidate] = []
     dropped: list[tuple[KernelConfig, str]] = []
     for config in dict.fromkeys(configs):
-        problems = config.problems()
-        if problems:
-            dropped.append((config, "; ".join(problems)))
+        found = problems(config)
+        if found:
+            dropped.append((config, "; ".join(found)))
             continue
-        backward = config.backward_problems()
+        backward = backward_problems(config)
         kept.append(Candidate(config, None, "; ".join(backward) if backward else None))
     return kept, dropped
 
@@ -106,16 +92,15 @@ def candidate_space(rules: Rules, head_dim: int, dtype: str, arch: str
                     ) -> tuple[list[Candidate], list[tuple[KernelConfig, str]]]:
     """The candidates for one (arch, dtype, head dim), the default config first; and what was pruned."""
     default = default_config(rules, head_dim, dtype, arch)
-    configs = [default] + [KernelConfig(head_dim, dtype, arch, t) for t in candidate_tiles(rules, head_dim)]
+    configs = [default] + [KernelConfig(head_dim, dtype, arch, t) for t in candidate_tiles(rules, head_dim, arch)]
     return prune(configs)
 
 
-def _spills(report: dict, kernel: str) -> int | None:
-    """Spilled bytes beyond the allowance (codegen.excess_spill_bytes) of the kernel whose name contains
-    `kernel`; None if absent."""
+def _spills(config: KernelConfig, report: dict, kernel: str) -> int | None:
+    """Spilled bytes beyond the family's allowance of the kernel whose name contains `kernel`; None if absent."""
     for name, figures in (report.get("kernels") or {}).items():
         if kernel in name:
-            return excess_spill_bytes(name, figures)
+            return family_of(config).excess_spill_bytes(name, figures)
     return None
 
 
@@ -123,14 +108,15 @@ def prune_by_ptxas(candidate: Candidate, ptxas: dict) -> Candidate:
     """Mark a pass unusable when ptxas says its kernel spills: the tile does not fit the registers, and
     local-memory traffic in the inner loop is never the fast choice. Timing it would only cost time."""
     forward_problem, backward_problem = candidate.forward_problem, candidate.backward_problem
-    spilled = _spills(ptxas, FORWARD_KERNEL)
+    family = family_of(candidate.config)
+    spilled = _spills(candidate.config, ptxas, family.forward_kernel)
     if forward_problem is None and spilled:
         forward_problem = f"forward kernel spills {spilled} B of registers (ptxas)"
-    spilled = _spills(ptxas, BACKWARD_KERNEL)
+    spilled = _spills(candidate.config, ptxas, family.backward_kernel)
     if backward_problem is None and spilled:
         backward_problem = f"dK/dV kernel spills {spilled} B of registers (ptxas)"
     return replace(candidate, forward_problem=forward_problem, backward_problem=backward_problem)
 
 
-__all__ = ["DEFAULT_SPACE", "Candidate", "candidate_space", "candidate_tiles", "default_config", "prune",
+__all__ = ["Candidate", "candidate_space", "candidate_tiles", "default_config", "prune",
            "prune_by_ptxas"]

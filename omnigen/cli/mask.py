@@ -10,11 +10,11 @@ from typing import Sequence
 
 import click
 
-from . import figures
-from .cli import UserError, cli, user_errors
-from .layout import AnyLayout, Layout
-from .plan import Plan, plan as make_plan
-from .rules import Rules
+from .. import figures
+from ..layout import AnyLayout, Layout
+from ..plan import Plan, plan as make_plan
+from ..rules import Rules
+from .app import UserError, cli, user_errors
 
 RULES_HELP = "Rules file (YAML), e.g. examples/rules/transfusion.yaml."
 LAYOUT_HELP = (

@@ -25,12 +25,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .codegen import DEFAULT_ARCHS, INCLUDE_DIRS, KernelConfig, source_names
-from .rules import ARCHS
+from ..kernels import family_of
+from ..targets import ARCH_TABLE, ARCHS, DEFAULT_ARCHS, KernelConfig, arch_for_capability
+from .codegen import source_names
 
 FALLBACK_NVCC = (Path("/usr/local/cuda/bin/nvcc"),)
 MIN_NVCC = (12, 0)  # sm_90a needs 12.0; cp.async, bf16 mma need 11+
-COMPUTE_CAPABILITY_ARCH = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9): "sm_89", (9, 0): "sm_90a"}
 
 
 class ToolchainError(RuntimeError):
@@ -200,14 +200,15 @@ def normalize_arch(text: str) -> str:
 
 def check_arch(arch: str, toolchain: Toolchain | None = None) -> str:
     arch = normalize_arch(arch)
-    if arch not in ARCHS:
+    if arch not in ARCH_TABLE:
+        known = "; ".join(f"{a.name} ({a.gpus})" for a in ARCH_TABLE.values())
         raise ToolchainError(
-            f"arch {arch} is not supported: omnigen's kernels need mma.sync bf16 and cp.async (sm_80 or newer) "
-            f"and are built for {', '.join(ARCHS)}. Fix: pass --arch with one of those (sm_90a for H100/H200, "
-            f"sm_80 for A100)."
+            f"arch {arch} is not supported: omnigen's kernels need sm_80 or newer and are built for {known}. "
+            f"Fix: pass --arch with one of {', '.join(ARCHS)}."
         )
-    if toolchain is not None and arch == "sm_90a" and toolchain.nvcc_version_tuple < (12, 0):
-        raise ToolchainError(f"sm_90a needs nvcc 12.0 or newer; {toolchain.nvcc} is {toolchain.nvcc_version}")
+    needed = ARCH_TABLE[arch].min_nvcc
+    if toolchain is not None and toolchain.nvcc_version_tuple < needed:
+        raise ToolchainError(f"{arch} needs nvcc {needed[0]}.{needed[1]} or newer; {toolchain.nvcc} is {toolchain.nvcc_version}")
     return arch
 
 
@@ -227,9 +228,7 @@ def visible_gpu_arch() -> str | None:
         capability = torch.cuda.get_device_capability()
     except Exception:  # a broken driver means: no usable GPU
         return None
-    if capability in COMPUTE_CAPABILITY_ARCH:
-        return COMPUTE_CAPABILITY_ARCH[capability]
-    return "sm_80" if capability[0] == 8 else None
+    return arch_for_capability(tuple(capability))
 
 
 def default_archs() -> tuple[str, ...]:
@@ -296,7 +295,7 @@ def module_ninja(build_dir: Path, module: str, rules_name: str, config: KernelCo
     kernel_object = build_dir / f"{stem}.cu.o"
     binding_object = build_dir / f"{stem}_binding.o"
     extension = build_dir / f"{module}{toolchain.ext_suffix}"
-    includes = ["-I" + str(d) for d in INCLUDE_DIRS] + ["-I" + str(build_dir)]
+    includes = ["-I" + str(d) for d in family_of(config).include_dirs] + ["-I" + str(build_dir)]
     host_includes = includes + ["-I" + toolchain.pybind11_include, "-I" + toolchain.python_include,
                                 "-I" + str(toolchain.cuda_home / "include")]
     e = _ninja_escape

@@ -31,7 +31,7 @@ keeps the work proportional to the tiles a kernel visits with a small constant.
 The host path is numpy: a few hundred operations on arrays of O(segments + visited tiles)
 elements, where per-call overhead is what costs (numpy's is about a third of torch's, and it never
 spreads a small array over threads). On a CUDA device with Triton, `plan()` hands the same
-computation to `plan_gpu`: one Triton program per (q-tile row, block of kv-tiles) counts N and U
+computation to `plan.gpu`: one Triton program per (q-tile row, block of kv-tiles) counts N and U
 with the same closed forms and classifies, and one program per row and per column writes the
 schedules: three launches and one host sync, results identical to `_classify` + `_schedules`
 (tests/test_plan_gpu.py compares them array for array).
@@ -40,240 +40,27 @@ schedules: three launches and one host sync, results identical to `_classify` + 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from .layout import AnyLayout, LayoutBatch, LayoutTables, as_layout
-from .rules import Rules
-
-EMPTY, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
-KIND_NAMES = {EMPTY: "empty", FULL: "full", CAUSAL: "causal", PARTIAL: "partial"}
-# The schedules list each tile row's kv-tiles in this order of kinds (and by index inside a kind).
-SCHEDULE_KINDS = (FULL, CAUSAL, PARTIAL)
-
-# see policies as codes, for tensors
-SEE_NONE, SEE_EARLIER, SEE_ALL = 0, 1, 2
-SEE_CODES = {"none": SEE_NONE, "earlier": SEE_EARLIER, "all": SEE_ALL}
+from ..layout import LayoutTables
+from ..mask import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, rule_tensors
+from ..rules import Rules
 
 
-_RULE_TENSORS: dict[tuple[Rules, str], dict[str, torch.Tensor]] = {}
-
-
-def rule_tensors(rules: Rules, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The rules as small tensors indexed by modality id (pad = the last id); cached per device."""
-    key = (rules, str(device))
-    cached = _RULE_TENSORS.get(key)
-    if cached is None:
-        see = [[SEE_CODES[policy] for policy in row] + [SEE_NONE] for row in rules.see_matrix()]
-        see.append([SEE_NONE] * (len(rules.modalities) + 1))
-        cached = {
-            "see": torch.tensor(see, dtype=torch.int64, device=device),
-            "causal": torch.tensor([m.causal for m in rules.modalities] + [False], dtype=torch.bool, device=device),
-            "window": torch.tensor([m.window for m in rules.modalities] + [0], dtype=torch.int64, device=device),
-        }
-        _RULE_TENSORS[key] = cached
-    return cached
-
-
-@dataclass
-class Plan:
-    """Which tiles a kernel visits and how, for one layout (or a batch) and one tile shape.
-
-    Forward schedule (per q-tile row r = b * num_q_tiles + i): kv-tile indices
-    `fwd_kv[fwd_ptr[3r] : fwd_ptr[3r+3]]`, grouped by kind: full tiles in
-    `[fwd_ptr[3r], fwd_ptr[3r+1])`, causal in `[fwd_ptr[3r+1], fwd_ptr[3r+2])`, partial in
-    `[fwd_ptr[3r+2], fwd_ptr[3r+3])`. The backward schedule is the same per kv-tile column
-    c = b * num_kv_tiles + j, listing q-tile indices in `bwd_q`.
-    """
-
-    block_m: int
-    block_n: int
-    batch_size: int
-    seq_len: int
-    batched: bool
-    fwd_ptr: torch.Tensor  # int32 [B * num_q_tiles * 3 + 1]
-    fwd_kv: torch.Tensor  # int32 [num_tiles]
-    bwd_ptr: torch.Tensor  # int32 [B * num_kv_tiles * 3 + 1]
-    bwd_q: torch.Tensor  # int32 [num_tiles]
-    # The allowed-pair count, or (host planner) a function that counts it: the kernels never need it, so
-    # a plan made for a training step does not pay for it.
-    pair_count: int | Callable[[], int] = field(repr=False)
-    tables: LayoutTables = field(repr=False)
-    rules_hash: str = ""
-
-    @property
-    def allowed_pairs(self) -> int:
-        """Allowed (query, key) pairs over the whole layout (or batch)."""
-        if not isinstance(self.pair_count, int):
-            self.pair_count = int(self.pair_count())
-        return self.pair_count
-
-    @property
-    def num_q_tiles(self) -> int:
-        return -(-self.seq_len // self.block_m)
-
-    @property
-    def num_kv_tiles(self) -> int:
-        return -(-self.seq_len // self.block_n)
-
-    @property
-    def num_tiles(self) -> int:
-        """Tiles a kernel visits (every non-empty tile)."""
-        return int(self.fwd_kv.shape[0])
-
-    @property
-    def device(self) -> torch.device:
-        return self.fwd_kv.device
-
-    def _tile_list(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q-tile row r, kv-tile j, kind) for every visited tile, in forward-schedule order."""
-        per_group = (self.fwd_ptr[1:] - self.fwd_ptr[:-1]).long()
-        group = torch.repeat_interleave(torch.arange(per_group.numel(), device=self.device), per_group)
-        kinds = torch.tensor(SCHEDULE_KINDS, dtype=torch.int8, device=self.device)
-        return group // 3, self.fwd_kv.long(), kinds[group % 3]
-
-    @property
-    def kinds(self) -> torch.Tensor:
-        """Dense tile kinds, int8 [nq, nk] (or [B, nq, nk] for a batch): 0 empty 1 full 2 causal 3 partial."""
-        rows, cols, kinds = self._tile_list()
-        nq, nk = self.num_q_tiles, self.num_kv_tiles
-        dense = torch.zeros(self.batch_size * nq * nk, dtype=torch.int8, device=self.device)
-        dense[rows * nk + cols] = kinds
-        dense = dense.view(self.batch_size, nq, nk)
-        return dense if self.batched else dense[0]
-
-    def counts(self) -> dict[str, int]:
-        total = self.batch_size * self.num_q_tiles * self.num_kv_tiles
-        sizes = (self.fwd_ptr[1:] - self.fwd_ptr[:-1]).view(-1, 3).sum(0).tolist()
-        out = {KIND_NAMES[k]: int(n) for k, n in zip(SCHEDULE_KINDS, sizes)}
-        out["empty"] = total - sum(sizes)
-        return {name: out[name] for name in ("empty", "full", "causal", "partial")}
-
-    @property
-    def density(self) -> float:
-        return self.allowed_pairs / float(self.batch_size * self.seq_len * self.seq_len)
-
-    @property
-    def partial_fraction(self) -> float:
-        """Share of visited tiles that need the rules' predicate."""
-        counts = self.counts()
-        visited = counts["full"] + counts["causal"] + counts["partial"]
-        return counts["partial"] / visited if visited else 0.0
-
-    def nbytes(self) -> int:
-        """Bytes of schedule metadata a kernel reads (the O(S) layout tables not included)."""
-        return sum(t.numel() * t.element_size() for t in (self.fwd_ptr, self.fwd_kv, self.bwd_ptr, self.bwd_q))
-
-    def forward_tiles(self, q_tile: int, batch: int = 0) -> dict[str, list[int]]:
-        """kv-tiles of one q-tile, by kind (for inspection and tests)."""
-        return _schedule_row(self.fwd_ptr, self.fwd_kv, batch * self.num_q_tiles + q_tile)
-
-    def backward_tiles(self, kv_tile: int, batch: int = 0) -> dict[str, list[int]]:
-        """q-tiles of one kv-tile, by kind."""
-        return _schedule_row(self.bwd_ptr, self.bwd_q, batch * self.num_kv_tiles + kv_tile)
-
-    def stats(self) -> dict[str, Any]:
-        counts = self.counts()
-        return {
-            "seq_len": self.seq_len,
-            "batch": self.batch_size,
-            "block_m": self.block_m,
-            "block_n": self.block_n,
-            "tiles": counts,
-            "allowed_pairs": self.allowed_pairs,
-            "density": self.density,
-            "partial_fraction": self.partial_fraction,
-            "metadata_bytes": self.nbytes(),
-        }
-
-    def to(self, device: torch.device | str) -> "Plan":
-        moved = {name: getattr(self, name).to(device) for name in ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q")}
-        return Plan(
-            block_m=self.block_m, block_n=self.block_n, batch_size=self.batch_size, seq_len=self.seq_len,
-            batched=self.batched, pair_count=self.pair_count, rules_hash=self.rules_hash,
-            tables=self.tables if self.tables.device == torch.device(device) else self.tables.to(device),
-            **moved,
-        )
-
-
-def _schedule_row(ptr: torch.Tensor, index: torch.Tensor, row: int) -> dict[str, list[int]]:
-    bounds = ptr[3 * row : 3 * row + 4].tolist()
-    return {KIND_NAMES[k]: index[bounds[g] : bounds[g + 1]].tolist() for g, k in enumerate(SCHEDULE_KINDS)}
-
-
-def _check_block(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
-        raise ValueError(f"{name} must be a positive multiple of 16, not {value!r}")
-    return value
-
-
-def plan(
-    rules: Rules,
-    layout: AnyLayout | str,
-    block_m: int = 128,
-    block_n: int = 128,
-    device: torch.device | str | None = None,
-) -> Plan:
-    """Classify every (block_m x block_n) tile of the mask exactly and build forward/backward schedules.
-
-    On a CUDA device with Triton the plan is made there (plan_gpu); otherwise on the host with
-    vectorised numpy code and the schedules copied to `device`. Memory is O(S + visited tiles)
-    plus one byte per tile for the kind grid.
-    """
-    if not isinstance(rules, Rules):
-        raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
-    layout = as_layout(layout)
-    block_m = _check_block(block_m, "block_m")
-    block_n = _check_block(block_n, "block_n")
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    tables = layout.tables(rules, device)
+def classify_and_schedule(
+    rules: Rules, tables: LayoutTables, block_m: int, block_n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], int]]:
+    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q) on `device` from CPU tables, and a function counting allowed pairs."""
+    host_tables = _CpuTables.of(tables)
     B, S = tables.batch_size, tables.seq_len
-    nq, nk = -(-S // block_m), -(-S // block_n)
-    if device.type == "cuda" and _gpu_planner() is not None:
-        # Same result in a handful of fused launches.
-        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, pair_count = _gpu_planner().classify_and_schedule(
-            rules, tables, block_m, block_n
-        )
-    else:
-        host_tables = _CpuTables.of(tables if device.type == "cpu" else layout.tables(rules, "cpu"))
-        grid = _classify_host(rules, host_tables, block_m, block_n)
-        pair_count = lambda: _allowed_pairs_host(rules, host_tables)  # noqa: E731
-        fwd_ptr, fwd_kv, bwd_ptr, bwd_q = (
-            torch.from_numpy(a).to(device) for a in _schedules_host(grid.reshape(B, nq, nk))
-        )
-    return Plan(
-        block_m=block_m,
-        block_n=block_n,
-        batch_size=B,
-        seq_len=S,
-        batched=isinstance(layout, LayoutBatch),
-        fwd_ptr=fwd_ptr,
-        fwd_kv=fwd_kv,
-        bwd_ptr=bwd_ptr,
-        bwd_q=bwd_q,
-        pair_count=pair_count,
-        tables=tables,
-        rules_hash=rules.mask_hash(),
-    )
-
-
-def _gpu_planner():
-    """The Triton planner module, or None where Triton is missing (then the host path runs)."""
-    global _GPU_PLANNER
-    if _GPU_PLANNER is False:
-        try:
-            from . import plan_gpu
-
-            _GPU_PLANNER = plan_gpu if plan_gpu.available() else None
-        except ImportError:
-            _GPU_PLANNER = None
-    return _GPU_PLANNER
-
-
-_GPU_PLANNER = False
+    grid = _classify_host(rules, host_tables, block_m, block_n)
+    schedules = _schedules_host(grid.reshape(B, -(-S // block_m), -(-S // block_n)))
+    fwd_ptr, fwd_kv, bwd_ptr, bwd_q = (torch.from_numpy(a).to(device) for a in schedules)
+    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q, lambda: _allowed_pairs_host(rules, host_tables)
 
 
 class _Prefix:

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import click
 
-from . import cache, codegen
-from .toolchain import BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, visible_gpu_arch
-from .cli import UserError, cli, user_errors
-from .codegen import KernelConfig
-from .rules import KernelSpec, Rules
+from ..jit import cache, codegen, regenerate
+from ..jit.toolchain import (
+    BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, visible_gpu_arch,
+)
+from ..kernels import family_of, problems
+from ..rules import Rules
+from ..targets import KernelConfig, KernelSpec
+from .app import UserError, cli, user_errors
 
 
 def _human_bytes(count: int) -> str:
@@ -45,28 +48,28 @@ def _targets(rules: Rules, archs: tuple[str, ...]) -> list[KernelConfig]:
     configs = codegen.targets(rules, chosen)
     # A tile candidate that does not fit one (head dim, arch) is skipped there, not an error: the
     # candidates are for the tuner, and the other combinations still build.
-    usable = [c for c in configs if not c.problems()]
+    usable = [c for c in configs if not problems(c)]
     for c in configs:
-        if c.problems():
-            click.echo(f"skipping {c.label}: {'; '.join(c.problems())}", err=True)
+        if problems(c):
+            click.echo(f"skipping {c.label}: {'; '.join(problems(c))}", err=True)
     if not usable:
         raise UserError("no variant in the rules' kernel: section can be built (see above); "
                         "change its head_dims, tiles or archs")
     return usable
 
 
-TOLERATED_SPILL_NOTE = ("* spills within codegen.SPILL_ALLOWANCE_BYTES: per-tile values of the forward's partial "
+TOLERATED_SPILL_NOTE = ("* spills within the kernel family's allowance (kernels/sm80/resources.py): per-tile values of the forward's partial "
                         "path and per-step addresses of the backward's, none inside their mma loops")
 
 
-def _ptxas_cells(meta: dict) -> list[str]:
+def _ptxas_cells(config: KernelConfig, meta: dict) -> list[str]:
     """(registers, spills) for the build table; spills the allowance tolerates are marked '*'."""
     ptxas = meta.get("ptxas") or {}
     if not ptxas:
         return ["?", "?"]
     spills = ptxas.get("spill_store_bytes", 0) + ptxas.get("spill_load_bytes", 0)
     kernels = ptxas.get("kernels") or {}
-    tolerated = spills > 0 and kernels and not any(codegen.excess_spill_bytes(n, k) for n, k in kernels.items())
+    tolerated = spills > 0 and kernels and not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels.items())
     return [str(ptxas.get("registers", "?")), f"{spills} B" + ("*" if tolerated else "")]
 
 
@@ -84,7 +87,9 @@ def _parse_seq_lens(text: str | None) -> tuple[int, ...] | None:
 
 def _tuning_job(rules: Rules, layouts_file: str | None, seq_lens: tuple[int, ...] | None):
     """(job, None) when tuning can run here, else (None, why not). A bad --layouts file is an error either way."""
-    from . import tune, tune_db, tune_layouts
+    from .. import tune
+    from ..tune import db as tune_db
+    from ..tune import layouts as tune_layouts
 
     arch = visible_gpu_arch()
     if arch is None:
@@ -174,7 +179,7 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
             rows.append([v.config.label, "FAILED", "-", "-", "-", v.module])
             continue
         size = meta.get("extension_bytes", 0)
-        rows.append([v.config.label, "built" if result.built else "cached", *_ptxas_cells(meta),
+        rows.append([v.config.label, "built" if result.built else "cached", *_ptxas_cells(v.config, meta),
                      _human_bytes(size), v.module])
     click.echo(_table(["variant", "status", "regs", "spills", "size", "module"], rows))
     if any(row[3].endswith("*") for row in rows):
@@ -196,8 +201,8 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
 
 
 def _tune(job, results: list[cache.BuildResult], rounds: int | None, retune: bool) -> None:
-    from . import tune as tuner
-    from . import tune_timing
+    from .. import tune as tuner
+    from ..tune import timing as tune_timing
 
     # The build above already holds every candidate: failures and ptxas pruning go into the job.
     for note in tuner.apply_builds(job, results):
@@ -252,7 +257,7 @@ def _tuning_table(entry: dict) -> str:
     table = _table(["candidate", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s", "winner", "note"], rows)
     default = entry.get("default", {})
     forward, backward = entry.get("forward") or {}, entry.get("backward") or {}
-    from .tune_db import describe
+    from ..tune.db import describe
 
     names = describe(entry)
     summary = (f"-> forward {names['forward']} ({_speedup(default.get('fwd_ms'), forward.get('ms'))} vs default), "
@@ -269,7 +274,7 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
     click.echo(f"rules {rules.name}: content hash {rules.content_hash()}, mask hash {rules.mask_hash()}")
-    checked_in = codegen.GENERATED_DIR / rules.name
+    checked_in = regenerate.GENERATED_DIR / rules.name
     if checked_in.is_dir():
         click.echo(f"checked-in sources: {checked_in}")
     try:
@@ -293,7 +298,7 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
             click.echo(f"  built:     {v.entry / v.extension_file}")
             click.echo(f"  emitted:   {v.entry}/ ({', '.join(meta.get('sources', []))})")
             click.echo(f"  ptxas:     {ptxas.get('registers', '?')} registers, {ptxas.get('spill_store_bytes', '?')} B spill "
-                       f"stores, {ptxas.get('stack_bytes', '?')} B stack; {config.shared_memory_bytes} B shared memory")
+                       f"stores, {ptxas.get('stack_bytes', '?')} B stack; {family_of(config).describe_resources(config)}")
             click.echo(f"  built at:  {meta.get('built_at', '?')} in {meta.get('build_seconds', '?')} s")
         else:
             click.echo(f"  not in the cache ({problem}): would be {v.entry}")
@@ -328,7 +333,7 @@ def cache_list() -> None:
 
 def _list_tuned() -> None:
     """The tuning database: one row per tuned shape, with what won and whether it still applies."""
-    from .tune_db import describe, staleness, stamp
+    from ..tune.db import describe, staleness, stamp
 
     db = cache.read_tuning_db()
     if not db:

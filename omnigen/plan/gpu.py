@@ -1,7 +1,7 @@
 """The planner on a CUDA GPU: three fused Triton launches and one host sync.
 
-`classify_and_schedule(rules, tables, block_m, block_n)` returns exactly what `plan._classify` +
-`plan._schedules` return (same tiles, same kinds, same schedule order, same allowed-pair count),
+`classify_and_schedule(rules, tables, block_m, block_n)` returns exactly what `host._classify` +
+`host._schedules` return (same tiles, same kinds, same schedule order, same allowed-pair count),
 computed from the O(S) layout tables, never from per-token prefix arrays:
 
 1. `_prep_kernel`: one program computes segment-level prefix sums of every column weight row
@@ -19,7 +19,7 @@ computed from the O(S) layout tables, never from per-token prefix arrays:
    pieces (its rows inside one segment), counts each piece's allowed pairs over its whole visible
    range and the kv-tiles it may reach; if its block meets that reach, sums over the pieces the
    allowed pairs N and above-diagonal pairs U of each tile with the closed forms of
-   `plan._Prefix.count_rows`, and classifies exactly as `plan._classify` does. It writes the int8
+   `host._Prefix.count_rows`, and classifies exactly as `host._classify` does. It writes the int8
    kind grid and adds (atomically) to the counts per row and kind, per column and kind, and per
    group of GROUP rows or columns.
 3. `_schedule_kernel`, one program per q-tile row and one per kv-tile column: finds its offsets
@@ -37,27 +37,21 @@ What a call costs is mostly the host's, not the GPU's (~15-20 us of kernels at 8
 side is kept small: every kernel takes the same nine arguments (the layout's one packed table
 buffer, the rule table, one scratch buffer for everything, and six sizes) and finds its places in
 the scratch buffer itself (`_scratch`, mirrored on the host by `_scratch_layout`); after the first
-launch of each configuration, `_Launcher` starts the compiled kernel directly, without Triton's
+launch of each configuration, `launch.Launcher` starts the compiled kernel directly, without Triton's
 per-call argument binding.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
-from .layout import LayoutTables
-from .rules import Rules
-
-try:  # Triton is optional: without it plan() runs its host path
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
+from ..layout import LayoutTables
+from ..mask import SEE_ALL, SEE_EARLIER, rule_tensors
+from ..rules import Rules
+from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton
 
 # Schedules are written into buffers of B * nq * nk entries when that is at most this many tiles
 # (16 MiB per int32 buffer); above it, one sync before the scheduling launch sizes them exactly.
@@ -91,7 +85,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _rule_table(rules: Rules, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The rules as one int64 tensor on `device`, cached per (rules, device), as `plan.rule_tensors`.
+    """The rules as one int64 tensor on `device`, cached per (rules, device), as `mask.rule_tensors`.
 
     Layout (M user modalities, pad id = M): weight rows [2M, M+1] (row m = E_m: see(m -> k) is
     earlier or all; row M + m = L_m: see(m -> k) is all; pad columns weigh 0), then causal [M+1]
@@ -102,8 +96,6 @@ def _rule_table(rules: Rules, device: torch.device) -> tuple[torch.Tensor, bool]
     key = (rules, device.index)
     cached = _RULE_CACHE.get(key)
     if cached is None:
-        from .plan import SEE_ALL, SEE_EARLIER, rule_tensors
-
         rt = rule_tensors(rules, torch.device("cpu"))
         n_mod = len(rules.modalities)
         see = rt["see"][:n_mod]  # [M, M+1]
@@ -178,7 +170,7 @@ def classify_and_schedule(
     work = torch.empty(lay.words, dtype=torch.int64, device=device)
     args = (tables.packed, rule_table, work, B, S, nseg, n_mod, block_m, block_n)
     # Direct launches need every integer argument to keep its int32 type (all are <= B * S or a tile size).
-    direct = _DIRECT_LAUNCH and max(B * S, block_m, block_n) <= _INT32_MAX and _launch_hooks_idle()
+    direct = DIRECT_LAUNCH and max(B * S, block_m, block_n) <= _INT32_MAX and launch_hooks_idle()
 
     large = nseg >= 256
     _PREP((max(1, _cdiv(lay.n_zero, _ZBLOCK)), 1, 1), args,
@@ -203,62 +195,6 @@ def classify_and_schedule(
     return fwd_ptr, schedules[:total], bwd_ptr, schedules[size : size + total], allowed
 
 
-def _direct_launch_supported() -> bool:
-    """Whether `CompiledKernel.run` takes (grid x, y, z, stream, function, packed metadata, launch
-    metadata, enter hook, exit hook, *arguments): how `JITFunction.run` launches in Triton 3.4-3.9
-    (read in the 3.6 and 3.9 sources). Elsewhere, and in the interpreter, every launch goes
-    through Triton's own path."""
-    if triton is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    try:
-        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    except ValueError:
-        return False
-    return (3, 4) <= version <= (3, 9) and hasattr(triton, "knobs")
-
-
-def _launch_hooks_idle() -> bool:
-    """No launch hooks (profilers) registered: a direct launch would bypass them."""
-    runtime = triton.knobs.runtime
-    # Triton 3.6 keeps hook chains (called even when empty); older versions None or a function.
-    return all(hook is None or getattr(hook, "calls", True) == [] for hook in
-               (runtime.launch_enter_hook, runtime.launch_exit_hook))
-
-
-class _Launcher:
-    """One @triton.jit kernel: the first launch of each configuration through Triton, later ones
-    straight through the compiled kernel that launch returned.
-
-    `kernel[grid](...)` binds, specialises and hashes every argument on every call: ~11 us plus
-    ~0.5 us a pointer and ~0.25 us an integer on an H200 host, where `CompiledKernel.run` takes
-    ~5 us. Reusing the compiled kernel is exact here because what it was compiled for is all in
-    the key: pointers are never specialised on alignment and integers never on value (`_jit`),
-    each tensor argument's dtype is fixed by the code, and the caller sends integers that do not
-    fit int32 (which Triton would type int64) through Triton's path (`direct=False`).
-    """
-
-    def __init__(self, kernel, constexpr_names: tuple[str, ...]) -> None:
-        self.kernel = kernel
-        self.constexpr_names = constexpr_names
-        self.compiled: dict = {}
-
-    def __call__(self, grid: tuple[int, int, int], args: tuple, constants: tuple, num_warps: int,
-                 direct: bool) -> None:
-        if direct:
-            driver = triton.runtime.driver.active
-            key = (driver.get_current_device(), constants, num_warps)
-            entry = self.compiled.get(key)
-            if entry is not None:
-                run, function, metadata = entry
-                stream = driver.get_current_stream(key[0])
-                run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *constants)
-                return
-        kernel = self.kernel[grid](*args, **dict(zip(self.constexpr_names, constants)), num_warps=num_warps)
-        if direct and hasattr(kernel, "packed_metadata"):
-            self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
-
-
-_DIRECT_LAUNCH = _direct_launch_supported()
 
 
 if triton is not None:
@@ -268,7 +204,7 @@ if triton is not None:
 
     def _jit(fn):
         """triton.jit without value specialisation of the sizes or alignment specialisation of the
-        pointers (each new combination would otherwise compile a new kernel, and `_Launcher` relies
+        pointers (each new combination would otherwise compile a new kernel, and `launch.Launcher` relies
         on it)."""
         names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
         ints = [name for name in names if name in _SIZES]
@@ -476,7 +412,7 @@ if triton is not None:
         block_n = block_n.to(tl.int64)
         n_mod = n_mod.to(tl.int64)
         n = B.to(tl.int64) * S
-        big = 4 * n + 4 * tl.maximum(block_m, block_n)  # "no window" / "no causal edge", as plan._classify
+        big = 4 * n + 4 * tl.maximum(block_m, block_n)  # "no window" / "no causal edge", as host._classify
         stride = nseg + 1
         # LayoutTables.packed: 7 int64 rows of nseg, then the int32 token table from word
         # layout.token_offset(nseg) (the 7 rows rounded up to 32 words)
@@ -684,7 +620,7 @@ if triton is not None:
                 kind = tl.load(grid + (b * nq + i) * nk + j, mask=i < nq, other=0)
                 f, c, p = _emit(kind, i.to(tl.int32), f, c, p, bwd_q)
 
-    _PREP = _Launcher(_prep_kernel, ("NWP", "BLOCK_S", "ZBLOCK", "GROUP"))
-    _CLASSIFY = _Launcher(_classify_kernel, ("BLOCK_J", "GROUP", "HAS_WINDOW"))
-    _SCAN = _Launcher(_scan_kernel, ("BLOCK", "GROUP"))
-    _SCHEDULE = _Launcher(_schedule_kernel, ("BLOCK", "GROUP", "FUSED_SCAN"))
+    _PREP = Launcher(_prep_kernel, ("NWP", "BLOCK_S", "ZBLOCK", "GROUP"))
+    _CLASSIFY = Launcher(_classify_kernel, ("BLOCK_J", "GROUP", "HAS_WINDOW"))
+    _SCAN = Launcher(_scan_kernel, ("BLOCK", "GROUP"))
+    _SCHEDULE = Launcher(_schedule_kernel, ("BLOCK", "GROUP", "FUSED_SCAN"))

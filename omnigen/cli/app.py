@@ -1,4 +1,5 @@
-"""The `omnigen` command: a thin click group. Commands live in cli_mask.py and cli_build.py.
+"""The `omnigen` click group and its error handling. Commands live in mask.py (show, plan) and build.py
+(build, inspect, cache); the package registers them.
 
 Every user error (bad rules file, bad layout, missing toolchain, ...) becomes one paragraph on
 stderr and exit code 2 -- never a traceback. Set OMNIGEN_DEBUG=1 to see the traceback anyway.
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 import click
 
-from . import __version__
+from ..version import __version__
 
 
 class UserError(Exception):
@@ -62,16 +63,3 @@ def cli() -> None:
 
     Layouts are written modality:length[@document], e.g. "text:40 image:256 text:24@1".
     """
-
-
-def _register() -> None:
-    from . import cli_build, cli_mask  # noqa: F401  (build, inspect, cache; show, plan)
-
-
-def main(argv: list[str] | None = None) -> None:
-    _register()
-    cli.main(args=argv, prog_name="omnigen")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

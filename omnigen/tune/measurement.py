@@ -1,160 +1,32 @@
-"""Auto-tuning: for the rules, find the fastest forward and backward config per shape on this GPU, and
-remember it (tune_db). The steps, each its own function so the CLI can show progress between them:
+"""Verifying and timing a tuning job's candidates on the GPU, picking the winners, writing the database.
 
-    job = prepare(rules, head_dims, dtypes, arch, device)      # candidate space, layouts per bucket (CPU)
-    reused = reusable(job)                                     # fresh database entries for the same job
-    notes = compile_candidates(job)                            # one parallel ninja graph, keep going
-    entries = measure(job)                                     # verify, time, pick, write the database
-
-The space comes from tune_space (rules' tiles or the default space, pruned before compiling and
-again by ptxas after). Every candidate is verified once before it is timed: against a float64
-reference on a small case of the rules' own layouts (forward and backward), and against the
-default config's output on the timed inputs -- a fast wrong kernel is disqualified, not picked.
-Timing (tune_timing): CUDA events, warm-up, L2 flush, candidates interleaved round-robin, median
-of rounds x reps runs, forward and backward separately. A candidate replaces the default for a
-pass only when its median is more than WIN_MARGIN faster: within the noise the default stays, so
-the tuned choice is never measurably slower than the default of the same run.
+A candidate is first checked against a float64 reference on a small case of the rules' own layouts
+(forward and backward), then against the default config's output on the timed inputs: a fast
+wrong kernel is disqualified, not picked. Timing: CUDA events, warm-up, L2 flush, candidates
+interleaved round-robin, median of rounds x reps runs, forward and backward separately. A candidate
+replaces the default for a pass only when its median is more than WIN_MARGIN faster.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-from . import cache, tune_db, tune_layouts, tune_space, tune_timing
-from .codegen import KernelConfig
-from .layout import Layout, LayoutBatch
-from .rules import Rules
-from .toolchain import Toolchain
+from ..jit import cache
+from ..kernels import TORCH_DTYPES, family_of
+from ..layout import LayoutBatch
+from ..targets import KernelConfig
+from . import db as tune_db
+from . import layouts as tune_layouts
+from . import space as tune_space
+from . import timing as tune_timing
+from .job import Job
 
-DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768)
-HEADS = 16
 WIN_MARGIN = 0.01  # a candidate must beat the default's median by more than 1% to replace it
 VERIFY_SEQ_LEN = 1000  # not a multiple of any tile: the last q/kv tiles are ragged
-SYNTHETIC_WORKLOAD = "synthetic-v1"
 
 Progress = Callable[[int], None]
-
-
-@dataclass
-class ShapeSpace:
-    """The candidates of one (head dim, dtype) and what was pruned before compiling."""
-
-    head_dim: int
-    dtype: str
-    default: KernelConfig
-    candidates: list[tune_space.Candidate]
-    pruned: list[tuple[KernelConfig, str]]
-    failed: dict[KernelConfig, str] = field(default_factory=dict)  # compile failures: score infinity
-
-    @property
-    def labels(self) -> list[str]:
-        return [c.label for c in self.candidates]
-
-
-@dataclass
-class Job:
-    rules: Rules
-    arch: str
-    device: tune_db.Device
-    spaces: list[ShapeSpace]
-    layouts: dict[int, list[Layout]]  # sequence bucket -> the batch timed for it
-    workload: dict[str, Any]
-    heads: int = HEADS
-
-    def key(self, space: ShapeSpace, bucket: int) -> str:
-        return tune_db.entry_key(self.device, self.rules, space.dtype, space.head_dim, bucket)
-
-    @property
-    def configs(self) -> list[KernelConfig]:
-        return [c.config for s in self.spaces for c in s.candidates]
-
-
-def prepare(rules: Rules, head_dims: list[int] | tuple[int, ...], dtypes: list[str] | tuple[str, ...], arch: str,
-            device: tune_db.Device, seq_lens: tuple[int, ...] | list[int] | None = None,
-            layouts_file: str | Path | None = None, tokens: int = tune_layouts.DEFAULT_TOKENS) -> Job:
-    """The whole tuning job, decided on the CPU: spaces per (head dim, dtype), layouts per bucket."""
-    spaces = []
-    for head_dim in head_dims:
-        for dtype in dtypes:
-            candidates, pruned = tune_space.candidate_space(rules, head_dim, dtype, arch)
-            spaces.append(ShapeSpace(head_dim, dtype, tune_space.default_config(rules, head_dim, dtype, arch),
-                                     candidates, pruned))
-    if layouts_file is not None:
-        user = tune_layouts.read_layouts_file(layouts_file, rules)
-        layouts = tune_layouts.bucket_user_layouts(user, tokens)
-        if seq_lens:
-            wanted = {tune_db.seq_bucket(s) for s in seq_lens}
-            layouts = {b: ls for b, ls in layouts.items() if b in wanted}
-        digest = hashlib.sha256("\n".join(str(layout) for layout in user).encode()).hexdigest()[:16]
-        workload = {"layouts": f"file:{digest}", "source": str(layouts_file)}
-    else:
-        buckets = sorted({tune_db.seq_bucket(s) for s in (seq_lens or DEFAULT_SEQ_LENS)})
-        layouts = {b: tune_layouts.synthetic_batch(rules, b, tokens) for b in buckets}
-        workload = {"layouts": SYNTHETIC_WORKLOAD}
-    workload.update(tokens=tokens, heads=HEADS)
-    return Job(rules, arch, device, spaces, layouts, workload)
-
-
-def reusable(job: Job, db: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Mapping[str, Any]]:
-    """Fresh entries for every (shape, bucket) of the job, tuned over the same space and workload; empty
-    unless all of them are there (then nothing needs timing again)."""
-    db = cache.read_tuning_db() if db is None else db
-    current = tune_db.stamp()
-    found = {}
-    for space in job.spaces:
-        for bucket in job.layouts:
-            key = job.key(space, bucket)
-            entry = db.get(key)
-            workload = (entry or {}).get("workload") or {}
-            if (entry is None or tune_db.staleness(entry, current) is not None or entry.get("space") != space.labels
-                    or any(workload.get(k) != job.workload[k] for k in ("layouts", "tokens", "heads"))):
-                return {}
-            found[key] = entry
-    return found
-
-
-# ------------------------------------------------------------------------------------------------
-# compiling
-
-
-def compile_candidates(job: Job, toolchain: Toolchain | None = None, jobs: int | None = None,
-                       on_progress: Callable[[int, int, str], None] | None = None) -> list[str]:
-    """Build every candidate as one ninja graph, keeping going past failures; then apply_builds()."""
-    variants = [cache.variant(job.rules, config, toolchain) for config in job.configs]
-    results = cache.build_variants(variants, jobs=jobs, on_progress=on_progress, keep_going=True)
-    return apply_builds(job, results)
-
-
-def apply_builds(job: Job, results: list[cache.BuildResult]) -> list[str]:
-    """Record what the build said in the job: a candidate that failed to compile scores infinity (it
-    leaves the timed list, its failure stays in the table); a pass whose kernel spills is pruned
-    (ptxas). Returns one line per candidate pruned here."""
-    by_config = {r.variant.config: r for r in results}
-    notes = []
-    for space in job.spaces:
-        kept = []
-        for candidate in space.candidates:
-            result = by_config[candidate.config]
-            if result.error is not None:
-                space.failed[candidate.config] = result.error
-                continue
-            pruned = tune_space.prune_by_ptxas(candidate, result.meta.get("ptxas") or {})
-            for before, after in ((candidate.forward_problem, pruned.forward_problem),
-                                  (candidate.backward_problem, pruned.backward_problem)):
-                if after != before:
-                    notes.append(f"{candidate.config.label}: {after}")
-            kept.append(pruned)
-        space.candidates = kept
-    return notes
-
-
-# ------------------------------------------------------------------------------------------------
-# verifying and timing (CUDA from here on)
 
 
 def _close(got, ref, relative: float = 2e-2, absolute: float = 1e-3) -> str | None:
@@ -175,8 +47,7 @@ def _verification_case(job: Job, head_dim: int, dtype: str, device: str):
 
     import torch
 
-    from .ops import TORCH_DTYPES
-    from .reference import attention_reference, attention_reference_grads
+    from ..reference import attention_reference, attention_reference_grads
 
     torch_dtype = TORCH_DTYPES[dtype]
     rng = random.Random(f"verify:{job.rules.name}")
@@ -193,22 +64,22 @@ def _verification_case(job: Job, head_dim: int, dtype: str, device: str):
 
 def _verify(job: Job, candidate: tune_space.Candidate, module: Any, case) -> tune_space.Candidate:
     """Check one candidate against the float64 reference; a pass that is wrong is disqualified."""
-    from .ops import backward_pass, forward_pass
-    from .plan import plan
+    from ..plan import plan
 
+    family = family_of(candidate.config)
     batch, (q, k, v, d_out), (out_ref, lse_ref), grads_ref = case
     tile = candidate.config.tile
     p = plan(job.rules, batch, tile.block_m, tile.block_n, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
     forward_problem, backward_problem = candidate.forward_problem, candidate.backward_problem
-    out, _ = forward_pass(module, p, q, k, v, scale)
+    out, _ = family.forward(module, p, q, k, v, scale)
     wrong = _close(out, out_ref)
     if wrong and candidate.forward:
         forward_problem = f"wrong forward output vs float64 ({wrong})"
     if candidate.backward:
         # The backward is checked on the reference's own forward output: a wrong forward does not
         # disqualify a correct backward.
-        dq, dk, dv = backward_pass(module, p, q, k, v, out_ref.to(q.dtype), lse_ref.float(), d_out, scale)
+        dq, dk, dv = family.backward(module, p, q, k, v, out_ref.to(q.dtype), lse_ref.float(), d_out, scale)
         for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref):
             wrong = _close(got, ref)
             if wrong:
@@ -250,13 +121,14 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
     this orchestration (with stand-ins for the kernels and the timer)."""
     import torch
 
-    from .ops import TORCH_DTYPES, backward_pass, forward_pass
-    from .plan import plan
+    from ..plan import plan
 
     step = on_step or (lambda _n: None)
     entries: dict[str, dict[str, Any]] = {}
     for space in job.spaces:
         torch_dtype = TORCH_DTYPES[space.dtype]
+        family = family_of(space.default)
+        forward_pass, backward_pass = family.forward, family.backward
         modules = {c.config: cache.get_module(job.rules, c.config) for c in space.candidates}
         case = _verification_case(job, space.head_dim, space.dtype, device)
         verified = [_verify(job, c, modules[c.config], case) for c in space.candidates]
@@ -350,10 +222,7 @@ def measure(job: Job, rounds: int = tune_timing.DEFAULT_ROUNDS, reps: int = tune
             if device == "cuda":
                 torch.cuda.empty_cache()
     if write and entries:
-        cache.update_tuning_db(entries)
-        from .ops import forget_kernels
-
-        forget_kernels()  # attention() in this process picks the new choices up on its next call
+        tune_db.record(entries)  # attention() in this process picks the new choices up on its next call
     return entries
 
 
@@ -373,29 +242,3 @@ def _row(candidate: tune_space.Candidate, fwd_ms: float, bwd_ms: float, flops: f
     return {"tile": candidate.label, "fwd_ms": _round(fwd_ms), "bwd_ms": _round(bwd_ms),
             "fwd_tflops": _tflops(flops, fwd_ms), "bwd_tflops": _tflops(2.5 * flops, bwd_ms),
             "default": is_default, "winner": winner, "status": "; ".join(notes) or "ok"}
-
-
-# ------------------------------------------------------------------------------------------------
-# one call for omnigen.build(..., tune=True)
-
-
-def tune_kernel(rules: Rules, head_dim: int, dtype: str, seq_lens: tuple[int, ...] | None = None,
-                tokens: int = tune_layouts.DEFAULT_TOKENS) -> dict[int, tune_db.Choice]:
-    """Tune one (head dim, dtype) on the visible GPU -- or reuse the database when it already holds the
-    same job -- and return the kernel's choices per bucket."""
-    from .toolchain import visible_gpu_arch
-
-    arch = visible_gpu_arch()
-    if arch is None:
-        raise RuntimeError("tuning needs a CUDA GPU, and none is visible")
-    device = tune_db.Device.current()
-    job = prepare(rules, [head_dim], [dtype], arch, device, seq_lens, tokens=tokens)
-    if not reusable(job):
-        compile_candidates(job)
-        if any(c.forward for s in job.spaces for c in s.candidates):
-            measure(job)
-    return tune_db.lookup(device, rules, dtype, head_dim, arch)
-
-
-__all__ = ["DEFAULT_SEQ_LENS", "Job", "ShapeSpace", "apply_builds", "compile_candidates", "count_steps", "measure",
-           "prepare", "reusable", "tune_kernel"]

@@ -33,13 +33,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterable, Iterator
 
-from . import __version__
+from ..version import __version__
 from .toolchain import (
     BuildError, Toolchain, find_toolchain, flags_fingerprint, kernel_log, module_ninja, ptxas_report, run_ninja,
     top_ninja,
 )
-from .codegen import KernelConfig, header_files, module_name, render, variant_stem
-from .rules import Rules
+from ..rules import Rules
+from ..targets import KernelConfig
+from .codegen import header_files, module_name, render, variant_stem
 
 META_FILE = "meta.json"
 META_FORMAT = 1
@@ -94,7 +95,7 @@ def cache_key(sources: dict[str, str], headers: dict[str, str], flags: dict, too
 def variant(rules: Rules, config: KernelConfig, toolchain: Toolchain | None = None) -> Variant:
     toolchain = toolchain or find_toolchain()
     sources = render(rules, config)
-    key = cache_key(sources, header_files(), flags_fingerprint(config), toolchain.fingerprint(), config.arch)
+    key = cache_key(sources, header_files(config), flags_fingerprint(config), toolchain.fingerprint(), config.arch)
     return Variant(rules=rules, config=config, module=module_name(rules, config), sources=sources, key=key,
                    toolchain=toolchain)
 

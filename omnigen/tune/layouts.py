@@ -20,9 +20,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from .layout import Layout
-from .rules import Rules
-from .tune_db import seq_bucket
+from ..layout import Layout
+from ..rules import Rules
+from .db import seq_bucket
 
 DEFAULT_TOKENS = 32768
 CAUSAL_LENGTHS = (16, 512)

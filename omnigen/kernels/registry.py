@@ -1,0 +1,37 @@
+"""Which kernel family builds which architecture: the one line a new family adds is here."""
+
+from __future__ import annotations
+
+from ..targets import ARCH_TABLE, KernelConfig
+from .family import KernelFamily
+from .sm80 import FAMILY as SM80
+
+FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (SM80,)}
+
+
+def family_of(config: KernelConfig | str) -> KernelFamily:
+    """The family that builds a variant (or an arch name)."""
+    arch = config if isinstance(config, str) else config.arch
+    if arch not in ARCH_TABLE:
+        raise ValueError(f"arch must be one of {', '.join(ARCH_TABLE)}, not {arch!r}")
+    return FAMILIES[ARCH_TABLE[arch].family]
+
+
+def problems(config: KernelConfig) -> list[str]:
+    """Why this variant cannot be built (empty when it can): its names first, then its family's limits."""
+    return config.identity_problems() or family_of(config).problems(config)
+
+
+def backward_problems(config: KernelConfig) -> list[str]:
+    return config.identity_problems() or family_of(config).backward_problems(config)
+
+
+def check(config: KernelConfig) -> None:
+    """Raise ValueError naming every problem of a variant that cannot be built."""
+    found = problems(config)
+    if found:
+        raise ValueError(f"kernel variant {config.label} cannot be built: " + "; ".join(found))
+
+
+def default_tile(arch: str, head_dim: int):
+    return family_of(arch).default_tile(head_dim)

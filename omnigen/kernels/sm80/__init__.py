@@ -1,0 +1,82 @@
+"""The sm80 family: mma.sync, ldmatrix and cp.async (Ampere, Ada, and Hopper until sm90 serves it).
+
+`resources` says which variants fit, `space` which tiles the tuner tries, `launch` how a built
+module is called; templates/ and include/omnigen/sm80/ hold the CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...targets import KernelConfig, TileConfig
+from ..family import KernelFamily
+from . import launch, resources, space
+
+
+class Sm80Family(KernelFamily):
+    name = "sm80"
+    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}
+    forward_kernel = "forward_kernel"
+    backward_kernel = "dkdv_kernel"  # the tuned backward (atomic dQ) is this kernel plus the small Delta one
+
+    def problems(self, config: KernelConfig) -> list[str]:
+        return resources.Resources(config).problems()
+
+    def backward_problems(self, config: KernelConfig) -> list[str]:
+        return resources.Resources(config).backward_problems()
+
+    def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:
+        return resources.excess_spill_bytes(kernel_name, figures)
+
+    def describe_resources(self, config: KernelConfig) -> str:
+        return f"{resources.Resources(config).shared_memory_bytes // 1024} KB smem, {config.threads} threads"
+
+    def default_tile(self, head_dim: int) -> TileConfig:
+        return resources.default_tile(head_dim)
+
+    def candidate_tiles(self, head_dim: int) -> tuple[TileConfig, ...]:
+        return space.DEFAULT_SPACE.get(head_dim, (resources.default_tile(head_dim),))
+
+    def render_context(self, config: KernelConfig) -> dict[str, Any]:
+        r = resources.Resources(config)
+        t = config.tile
+        backward_problems = r.backward_problems()
+        return {
+            "warps": t.warps,
+            "stages": t.stages,
+            "shared_bytes": r.shared_memory_bytes,
+            "keys_per_step": r.keys_per_step,
+            "keys_per_step_reason": (
+                "The whole kv-tile at once." if r.keys_per_step == t.block_n else
+                f"Half-tiles: {t.block_n} keys of fp32 scores would not fit in registers beside "
+                f"{t.block_m // t.warps} rows x {config.head_dim} outputs per warp (ptxas spills)."
+            ),
+            "backward_supported": not backward_problems,
+            "backward_problem": (
+                (f"this variant ({config.label}) has no backward kernel: " + "; ".join(backward_problems)).replace('"', "'")
+                if backward_problems else ""
+            ),
+            "step_rows": r.BACKWARD_STEP_ROWS,
+            "bwd_warps": r.backward_warps,
+            "bwd_step_tiles": r.backward_step_tiles,
+            "bwd_step_tiles_reason": (
+                "P^T and dS^T side by side: one barrier between the score and gradient layouts per step."
+                if r.backward_step_tiles == 2 else
+                f"P^T, then dS^T in one buffer: two more barriers per step, {t.block_n * 128 // 1024} KB less "
+                "shared memory, so that two CTAs share an SM."
+            ),
+            "bwd_threads": 32 * r.backward_warps,
+            "bwd_shared_bytes": r.backward_shared_bytes,
+            "dq_warps": r.dq_warps,
+            "dq_threads": 32 * r.dq_warps,
+            "dq_shared_bytes": r.dq_shared_bytes,
+        }
+
+    def forward(self, module, plan, q, k, v, scale):
+        return launch.forward_pass(module, plan, q, k, v, scale)
+
+    def backward(self, module, plan, q, k, v, out, lse, d_out, scale, deterministic=False):
+        return launch.backward_pass(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
+
+
+FAMILY = Sm80Family()

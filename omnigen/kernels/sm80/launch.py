@@ -1,0 +1,94 @@
+"""Launching an sm80-family module: the pointer, stride and size arguments its binding takes.
+
+The binding (common/templates/binding.cpp.j2) takes raw pointers, strides and a CUDA stream, so the
+extension never includes torch headers; this is the one place that packs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..family import kernel_ready
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float) -> None:
+    """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides)."""
+    B, Hq, S, _ = q.shape
+    t = p.tables
+    module.forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        B, Hq, k.shape[1], S, scale,
+        p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(),
+        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
+        _stream(),
+    )
+
+
+def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> None:
+    """Delta = rowsum(dO * O) into `delta` [B, Hq, S] float32."""
+    B, Hq, S, _ = out.shape
+    module.backward_delta(
+        out.data_ptr(), d_out.data_ptr(), delta.data_ptr(), *out.stride()[:3], *d_out.stride()[:3], B, Hq, S, _stream()
+    )
+
+
+def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor,
+                    dk: torch.Tensor, dv: torch.Tensor, scale: float, deterministic: bool) -> None:
+    """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed unless deterministic (then
+    overwritten); dk/dv are the element type [B, Hkv, S, D], or float32 per q head [B, Hq, S, D] for GQA."""
+    B, Hq, S, _ = q.shape
+    t = p.tables
+    module.backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
+        delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *d_out.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
+        B, Hq, k.shape[1], S, scale,
+        p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(), p.bwd_ptr.data_ptr(), p.bwd_q.data_ptr(),
+        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
+        deterministic, _stream(),
+    )
+
+
+def forward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of a built module: (out, lse). Inputs already checked (omnigen.op)."""
+    B, Hq, S, D = q.shape
+    out = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    launch_forward(module, p, q, k, v, out, lse, scale)
+    return out, lse
+
+
+def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, d_out: torch.Tensor, scale: float,
+                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a built module -- Delta, dQ/dK/dV kernels, the GQA sums: (dq, dk, dv).
+
+    `p` must be planned with this module's block_m x block_n; out/lse may come from any forward
+    (they do not depend on the tile), which is what lets the forward and backward tiles differ."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    d_out = kernel_ready(d_out)
+    delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
+    launch_delta(module, out, d_out, delta)
+    dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    if Hq == Hkv:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:  # per q-head partial dK/dV, summed over each group of q heads below
+        dk = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+        dv = torch.empty_like(dk)
+    launch_backward(module, p, q, k, v, out, lse, d_out, delta, dq_accum, dk, dv, scale, deterministic)
+    if Hq != Hkv:
+        dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(k.dtype)
+        dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(v.dtype)
+    return dq_accum.to(q.dtype), dk, dv

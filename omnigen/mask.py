@@ -1,0 +1,76 @@
+"""The mask's meaning as tensor arithmetic: tile kinds, rule encodings, the per-token predicate.
+
+`tile_predicate` is DESIGN section 1 evaluated on the per-token tables a layout makes (segment,
+modality and document of every token): the same arithmetic the generated kernels run on partial
+tiles, and what `Rules.dense_mask` fills an S x S picture with. Nothing here imports the rest of
+omnigen: rules and layout tables arrive as arguments (anything with their attributes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+EMPTY, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
+KIND_NAMES = {EMPTY: "empty", FULL: "full", CAUSAL: "causal", PARTIAL: "partial"}
+# The schedules list each tile row's kv-tiles in this order of kinds (and by index inside a kind).
+SCHEDULE_KINDS = (FULL, CAUSAL, PARTIAL)
+
+# see policies as codes, for tensors
+SEE_NONE, SEE_EARLIER, SEE_ALL = 0, 1, 2
+SEE_CODES = {"none": SEE_NONE, "earlier": SEE_EARLIER, "all": SEE_ALL}
+
+
+_RULE_TENSORS: dict[tuple[Any, str], dict[str, torch.Tensor]] = {}
+
+
+def rule_tensors(rules: Any, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The rules as small tensors indexed by modality id (pad = the last id); cached per device."""
+    key = (rules, str(device))
+    cached = _RULE_TENSORS.get(key)
+    if cached is None:
+        see = [[SEE_CODES[policy] for policy in row] + [SEE_NONE] for row in rules.see_matrix()]
+        see.append([SEE_NONE] * (len(rules.modalities) + 1))
+        cached = {
+            "see": torch.tensor(see, dtype=torch.int64, device=device),
+            "causal": torch.tensor([m.causal for m in rules.modalities] + [False], dtype=torch.bool, device=device),
+            "window": torch.tensor([m.window for m in rules.modalities] + [0], dtype=torch.int64, device=device),
+        }
+        _RULE_TENSORS[key] = cached
+    return cached
+
+
+def tile_predicate(
+    rules: Any, tables: Any, batch: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
+    rule_t: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """allowed[q_pos x k_pos] for batch element `batch`, from the per-token tables only."""
+    rule_t = rule_t or rule_tensors(rules, q_pos.device)
+    qp, kp = q_pos[:, None], k_pos[None, :]
+    seg_q = tables.token_segment[batch, q_pos].long()[:, None]
+    seg_k = tables.token_segment[batch, k_pos].long()[None, :]
+    mod_q = tables.token_modality[batch, q_pos].long()[:, None]
+    mod_k = tables.token_modality[batch, k_pos].long()[None, :]
+    pad = rules.pad_id
+    allowed = (mod_q != pad) & (mod_k != pad)
+    if rules.isolated_documents:
+        allowed &= tables.token_doc[batch, q_pos][:, None] == tables.token_doc[batch, k_pos][None, :]
+    see = rule_t["see"][mod_q, mod_k]
+    own = torch.where(rule_t["causal"][mod_q], kp <= qp, torch.ones_like(allowed))
+    other = torch.where(seg_k < seg_q, see >= SEE_EARLIER, see == SEE_ALL)
+    allowed &= torch.where(seg_q == seg_k, own, other)
+    window = rule_t["window"][mod_q]
+    allowed &= (window == 0) | (qp - kp < window)
+    return allowed
+
+
+def dense_mask(rules: Any, layout: Any, device: torch.device | str | None = None) -> torch.Tensor:
+    """The whole mask, torch.bool [S, S] (or [B, S, S] for a batch). O(S^2): for tests and plots.
+
+    `layout` is an omnigen.Layout or LayoutBatch (anything with `tables(rules, device)` and `batch_size`)."""
+    tables = layout.tables(rules, device)
+    positions = torch.arange(tables.seq_len, device=tables.token_segment.device)
+    rule_t = rule_tensors(rules, positions.device)
+    masks = torch.stack([tile_predicate(rules, tables, b, positions, positions, rule_t) for b in range(tables.batch_size)])
+    return masks[0] if hasattr(layout, "segments") else masks  # one Layout: [S, S]

@@ -1,0 +1,89 @@
+"""Exact tile planning: `plan(rules, layout, block_m, block_n)` -> `Plan`, never building the S x S mask.
+
+`host` is the numpy planner (every machine), `gpu` the fused Triton one (a CUDA device with
+Triton; identical results), `launch` the thin path that launches Triton's compiled kernels with
+less host overhead, `schedule` the `Plan` they both return.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..layout import AnyLayout, LayoutBatch, as_layout
+from ..mask import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
+from ..rules import Rules
+from . import host
+from .schedule import Plan
+
+
+def _check_block(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
+        raise ValueError(f"{name} must be a positive multiple of 16, not {value!r}")
+    return value
+
+
+def plan(
+    rules: Rules,
+    layout: AnyLayout | str,
+    block_m: int = 128,
+    block_n: int = 128,
+    device: torch.device | str | None = None,
+) -> Plan:
+    """Classify every (block_m x block_n) tile of the mask exactly and build forward/backward schedules.
+
+    On a CUDA device with Triton the plan is made there (plan_gpu); otherwise on the host with
+    vectorised numpy code and the schedules copied to `device`. Memory is O(S + visited tiles)
+    plus one byte per tile for the kind grid.
+    """
+    if not isinstance(rules, Rules):
+        raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+    layout = as_layout(layout)
+    block_m = _check_block(block_m, "block_m")
+    block_n = _check_block(block_n, "block_n")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    tables = layout.tables(rules, device)
+    B, S = tables.batch_size, tables.seq_len
+    if device.type == "cuda" and _gpu_planner() is not None:
+        # Same result in a handful of fused launches.
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, pair_count = _gpu_planner().classify_and_schedule(
+            rules, tables, block_m, block_n
+        )
+    else:
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, pair_count = host.classify_and_schedule(
+            rules, tables if device.type == "cpu" else layout.tables(rules, "cpu"), block_m, block_n, device
+        )
+    return Plan(
+        block_m=block_m,
+        block_n=block_n,
+        batch_size=B,
+        seq_len=S,
+        batched=isinstance(layout, LayoutBatch),
+        fwd_ptr=fwd_ptr,
+        fwd_kv=fwd_kv,
+        bwd_ptr=bwd_ptr,
+        bwd_q=bwd_q,
+        pair_count=pair_count,
+        tables=tables,
+        rules_hash=rules.mask_hash(),
+    )
+
+
+def _gpu_planner():
+    """The Triton planner module, or None where Triton is missing (then the host path runs)."""
+    global _GPU_PLANNER
+    if _GPU_PLANNER is False:
+        try:
+            from . import gpu
+
+            _GPU_PLANNER = gpu if gpu.available() else None
+        except ImportError:
+            _GPU_PLANNER = None
+    return _GPU_PLANNER
+
+
+_GPU_PLANNER = False
+
+
+__all__ = ["CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "PARTIAL", "SCHEDULE_KINDS", "Plan", "plan"]

@@ -1,0 +1,137 @@
+"""`Plan`: which tiles a kernel visits and how, as compressed schedules (CSR per tile row and column)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..layout import LayoutTables
+from ..mask import KIND_NAMES, SCHEDULE_KINDS
+
+
+@dataclass
+class Plan:
+    """Which tiles a kernel visits and how, for one layout (or a batch) and one tile shape.
+
+    Forward schedule (per q-tile row r = b * num_q_tiles + i): kv-tile indices
+    `fwd_kv[fwd_ptr[3r] : fwd_ptr[3r+3]]`, grouped by kind: full tiles in
+    `[fwd_ptr[3r], fwd_ptr[3r+1])`, causal in `[fwd_ptr[3r+1], fwd_ptr[3r+2])`, partial in
+    `[fwd_ptr[3r+2], fwd_ptr[3r+3])`. The backward schedule is the same per kv-tile column
+    c = b * num_kv_tiles + j, listing q-tile indices in `bwd_q`.
+    """
+
+    block_m: int
+    block_n: int
+    batch_size: int
+    seq_len: int
+    batched: bool
+    fwd_ptr: torch.Tensor  # int32 [B * num_q_tiles * 3 + 1]
+    fwd_kv: torch.Tensor  # int32 [num_tiles]
+    bwd_ptr: torch.Tensor  # int32 [B * num_kv_tiles * 3 + 1]
+    bwd_q: torch.Tensor  # int32 [num_tiles]
+    # The allowed-pair count, or (host planner) a function that counts it: the kernels never need it, so
+    # a plan made for a training step does not pay for it.
+    pair_count: int | Callable[[], int] = field(repr=False)
+    tables: LayoutTables = field(repr=False)
+    rules_hash: str = ""
+
+    @property
+    def allowed_pairs(self) -> int:
+        """Allowed (query, key) pairs over the whole layout (or batch)."""
+        if not isinstance(self.pair_count, int):
+            self.pair_count = int(self.pair_count())
+        return self.pair_count
+
+    @property
+    def num_q_tiles(self) -> int:
+        return -(-self.seq_len // self.block_m)
+
+    @property
+    def num_kv_tiles(self) -> int:
+        return -(-self.seq_len // self.block_n)
+
+    @property
+    def num_tiles(self) -> int:
+        """Tiles a kernel visits (every non-empty tile)."""
+        return int(self.fwd_kv.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.fwd_kv.device
+
+    def _tile_list(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q-tile row r, kv-tile j, kind) for every visited tile, in forward-schedule order."""
+        per_group = (self.fwd_ptr[1:] - self.fwd_ptr[:-1]).long()
+        group = torch.repeat_interleave(torch.arange(per_group.numel(), device=self.device), per_group)
+        kinds = torch.tensor(SCHEDULE_KINDS, dtype=torch.int8, device=self.device)
+        return group // 3, self.fwd_kv.long(), kinds[group % 3]
+
+    @property
+    def kinds(self) -> torch.Tensor:
+        """Dense tile kinds, int8 [nq, nk] (or [B, nq, nk] for a batch): 0 empty 1 full 2 causal 3 partial."""
+        rows, cols, kinds = self._tile_list()
+        nq, nk = self.num_q_tiles, self.num_kv_tiles
+        dense = torch.zeros(self.batch_size * nq * nk, dtype=torch.int8, device=self.device)
+        dense[rows * nk + cols] = kinds
+        dense = dense.view(self.batch_size, nq, nk)
+        return dense if self.batched else dense[0]
+
+    def counts(self) -> dict[str, int]:
+        total = self.batch_size * self.num_q_tiles * self.num_kv_tiles
+        sizes = (self.fwd_ptr[1:] - self.fwd_ptr[:-1]).view(-1, 3).sum(0).tolist()
+        out = {KIND_NAMES[k]: int(n) for k, n in zip(SCHEDULE_KINDS, sizes)}
+        out["empty"] = total - sum(sizes)
+        return {name: out[name] for name in ("empty", "full", "causal", "partial")}
+
+    @property
+    def density(self) -> float:
+        return self.allowed_pairs / float(self.batch_size * self.seq_len * self.seq_len)
+
+    @property
+    def partial_fraction(self) -> float:
+        """Share of visited tiles that need the rules' predicate."""
+        counts = self.counts()
+        visited = counts["full"] + counts["causal"] + counts["partial"]
+        return counts["partial"] / visited if visited else 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of schedule metadata a kernel reads (the O(S) layout tables not included)."""
+        return sum(t.numel() * t.element_size() for t in (self.fwd_ptr, self.fwd_kv, self.bwd_ptr, self.bwd_q))
+
+    def forward_tiles(self, q_tile: int, batch: int = 0) -> dict[str, list[int]]:
+        """kv-tiles of one q-tile, by kind (for inspection and tests)."""
+        return _schedule_row(self.fwd_ptr, self.fwd_kv, batch * self.num_q_tiles + q_tile)
+
+    def backward_tiles(self, kv_tile: int, batch: int = 0) -> dict[str, list[int]]:
+        """q-tiles of one kv-tile, by kind."""
+        return _schedule_row(self.bwd_ptr, self.bwd_q, batch * self.num_kv_tiles + kv_tile)
+
+    def stats(self) -> dict[str, Any]:
+        counts = self.counts()
+        return {
+            "seq_len": self.seq_len,
+            "batch": self.batch_size,
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "tiles": counts,
+            "allowed_pairs": self.allowed_pairs,
+            "density": self.density,
+            "partial_fraction": self.partial_fraction,
+            "metadata_bytes": self.nbytes(),
+        }
+
+    def to(self, device: torch.device | str) -> "Plan":
+        moved = {name: getattr(self, name).to(device) for name in ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q")}
+        return Plan(
+            block_m=self.block_m, block_n=self.block_n, batch_size=self.batch_size, seq_len=self.seq_len,
+            batched=self.batched, pair_count=self.pair_count, rules_hash=self.rules_hash,
+            tables=self.tables if self.tables.device == torch.device(device) else self.tables.to(device),
+            **moved,
+        )
+
+
+def _schedule_row(ptr: torch.Tensor, index: torch.Tensor, row: int) -> dict[str, list[int]]:
+    bounds = ptr[3 * row : 3 * row + 4].tolist()
+    return {KIND_NAMES[k]: index[bounds[g] : bounds[g + 1]].tolist() for g, k in enumerate(SCHEDULE_KINDS)}
