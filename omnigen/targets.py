@@ -17,7 +17,8 @@ class Arch:
     name: str  # nvcc's spelling: sm_80, sm_90a
     capability: tuple[int, int]  # the CUDA compute capability it runs on
     shared_memory: int  # largest dynamic shared memory one block may opt into (bytes)
-    family: str  # the kernel family (a folder of omnigen/kernels/) built for it
+    family: str  # the kernel family (a folder of omnigen/kernels/) built for it by default
+    other_families: tuple[str, ...]  # families that can also build for it (a fallback, or an A/B partner)
     min_nvcc: tuple[int, int]  # oldest nvcc that emits code for it
     gpus: str  # what users know it as
 
@@ -25,11 +26,11 @@ class Arch:
 ARCH_TABLE: dict[str, Arch] = {
     a.name: a
     for a in (
-        Arch("sm_80", (8, 0), 163 * 1024, "sm80", (11, 0), "A100, A800"),
-        Arch("sm_86", (8, 6), 99 * 1024, "sm80", (11, 1), "A10, A40, RTX 30xx"),
-        Arch("sm_89", (8, 9), 99 * 1024, "sm80", (11, 8), "L4, L40, RTX 40xx"),
-        Arch("sm_90", (9, 0), 227 * 1024, "sm80", (12, 0), "H100, H200, portable code only"),
-        Arch("sm_90a", (9, 0), 227 * 1024, "sm80", (12, 0), "H100, H200"),
+        Arch("sm_80", (8, 0), 163 * 1024, "sm80", (), (11, 0), "A100, A800"),
+        Arch("sm_86", (8, 6), 99 * 1024, "sm80", (), (11, 1), "A10, A40, RTX 30xx"),
+        Arch("sm_89", (8, 9), 99 * 1024, "sm80", (), (11, 8), "L4, L40, RTX 40xx"),
+        Arch("sm_90", (9, 0), 227 * 1024, "sm80", (), (12, 0), "H100, H200, portable code only"),
+        Arch("sm_90a", (9, 0), 227 * 1024, "sm80", ("sm90",), (12, 0), "H100, H200"),
     )
 }
 ARCHS = tuple(ARCH_TABLE)
@@ -86,20 +87,27 @@ class KernelConfig:
     dtype: str
     arch: str
     tile: TileConfig = field(default=DEFAULT_TILE)
+    kernel_family: str = ""  # "": the arch's own family (ARCH_TABLE); else one that also builds for the arch
 
     @property
     def label(self) -> str:
-        return f"{self.dtype}_d{self.head_dim}_{self.tile.label}_{self.arch}"
+        named = f"_{self.kernel_family}" if self.kernel_family and self.kernel_family != self.arch_family else ""
+        return f"{self.dtype}_d{self.head_dim}_{self.tile.label}_{self.arch}{named}"
 
     @property
     def threads(self) -> int:
         return 32 * self.tile.warps
 
     @property
-    def family(self) -> str:
-        """The kernel family that builds this variant ("" for an arch omnigen does not know)."""
+    def arch_family(self) -> str:
+        """The family the arch table names for this arch ("" for an arch omnigen does not know)."""
         arch = ARCH_TABLE.get(self.arch)
         return arch.family if arch else ""
+
+    @property
+    def family(self) -> str:
+        """The kernel family that builds this variant."""
+        return self.kernel_family or self.arch_family
 
     def identity_problems(self) -> list[str]:
         """What is wrong with the variant's names alone (unknown head dim, dtype or arch)."""
@@ -110,14 +118,21 @@ class KernelConfig:
             out.append(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.arch not in ARCH_TABLE:
             out.append(f"arch must be one of {', '.join(ARCHS)}, not {self.arch!r}")
+        elif self.kernel_family and self.kernel_family != self.arch_family and \
+                self.kernel_family not in ARCH_TABLE[self.arch].other_families:
+            builds = (self.arch_family, *ARCH_TABLE[self.arch].other_families)
+            out.append(f"kernel family {self.kernel_family!r} does not build for {self.arch} (families: {', '.join(builds)})")
         return out
 
     def as_dict(self) -> dict[str, object]:
         t = self.tile
-        return {
+        out: dict[str, object] = {
             "head_dim": self.head_dim, "dtype": self.dtype, "arch": self.arch,
             "block_m": t.block_m, "block_n": t.block_n, "warps": t.warps, "stages": t.stages,
         }
+        if self.kernel_family and self.kernel_family != self.arch_family:
+            out["family"] = self.kernel_family
+        return out
 
 
 __all__ = ["ARCHS", "ARCH_TABLE", "Arch", "CAPABILITY_ARCH", "DEFAULT_ARCHS", "DEFAULT_TILE", "DTYPES",

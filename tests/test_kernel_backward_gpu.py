@@ -27,7 +27,7 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import spill_allowance
 from omnigen.jit import cache
-from omnigen.kernels.sm80.launch import launch_backward, launch_delta, launch_forward
+from omnigen.kernels.launch import launch_backward, launch_delta, launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.targets import KernelConfig, TileConfig

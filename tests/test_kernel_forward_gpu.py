@@ -18,11 +18,11 @@ import torch
 
 import omnigen
 from omnigen.jit import cache
-from omnigen.kernels.sm80.launch import launch_forward
+from omnigen.kernels.launch import launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.jit.toolchain import visible_gpu_arch
-from omnigen.kernels.sm80.resources import default_tile
-from omnigen.targets import KernelConfig
+from omnigen.kernels import FAMILIES
+from omnigen.targets import ARCH_TABLE, KernelConfig
 from omnigen.reference import attention_reference
 
 pytestmark = [
@@ -44,16 +44,31 @@ CASES = [
 ]
 
 
-def _module(rules: omnigen.Rules, head_dim: int, dtype: str):
+def _families() -> list[str]:
+    """Every kernel family that builds for the visible GPU (sm80 everywhere, sm90 on Hopper too)."""
+    arch = visible_gpu_arch() if torch.cuda.is_available() else None
+    if arch is None:
+        return ["sm80"]
+    return [ARCH_TABLE[arch].family, *ARCH_TABLE[arch].other_families]
+
+
+FAMILY_NAMES = _families()
+
+
+def _config(head_dim: int, dtype: str, family: str) -> KernelConfig:
     arch = visible_gpu_arch()
     assert arch is not None, "this GPU's arch is not one omnigen builds for"
-    return cache.get_module(rules, KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=default_tile(head_dim)))
+    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=FAMILIES[family].default_tile(head_dim),
+                        kernel_family=family)
+
+
+def _module(rules: omnigen.Rules, head_dim: int, dtype: str, family: str = "sm80"):
+    return cache.get_module(rules, _config(head_dim, dtype, family))
 
 
 def _prebuild(variants: list[tuple[omnigen.Rules, int, str]]) -> None:
-    """Compile every variant the tests need as one parallel ninja graph."""
-    arch = visible_gpu_arch()
-    built = [cache.variant(r, KernelConfig(head_dim=d, dtype=t, arch=arch, tile=default_tile(d))) for r, d, t in variants]
+    """Compile every variant the tests need, for every family, as one parallel ninja graph."""
+    built = [cache.variant(r, _config(d, t, family)) for r, d, t in variants for family in FAMILY_NAMES]
     cache.build_variants(built)
 
 
@@ -94,13 +109,14 @@ def _sdpa_error(q, k, v, mask, ref_out) -> float:
     return float((out.double() - ref_out).abs()[has_key].max()) if has_key.any() else 0.0
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_forward_matches_reference(case, head_dim, dtype):
+def test_forward_matches_reference(case, head_dim, dtype, family):
     name, rules, layout_texts, Hq, Hkv = case
     if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
         pytest.skip("the mixed rules are built for one variant only")
-    module = _module(rules, head_dim, dtype)
+    module = _module(rules, head_dim, dtype, family)
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
     layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
     B, S = len(layouts), layouts[0].seq_len
@@ -120,7 +136,7 @@ def test_forward_matches_reference(case, head_dim, dtype):
     error = float((out.double() - ref_out).abs().max())
     sdpa = _sdpa_error(q, k, v, mask3, ref_out)
     floor = 2e-3 if dtype == "bf16" else 5e-4
-    print(f"{name} d{head_dim} {dtype}: max |out - ref| = {error:.2e}, SDPA dense-mask = {sdpa:.2e}")
+    print(f"{family} {name} d{head_dim} {dtype}: max |out - ref| = {error:.2e}, SDPA dense-mask = {sdpa:.2e}")
     assert error <= 2 * sdpa + floor, f"out error {error:.3e} > 2 x SDPA's {sdpa:.3e} + {floor}"
 
     finite = ~empty_rows
@@ -142,9 +158,10 @@ def test_forward_rejects_bad_arguments():
     module.device_check()  # a GPU is here: no error
 
 
-def test_forward_speed_report():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_forward_speed_report(family):
     """Not a benchmark (benchmarks/ has those): one rough figure per run, printed."""
-    module = _module(TRANSFUSION, 128, "bf16")
+    module = _module(TRANSFUSION, 128, "bf16", family)
     segments = []
     while sum(n for _, n in segments) < 8192 - 512:
         segments += [("text", 200), ("image", 256)]
@@ -164,6 +181,6 @@ def test_forward_speed_report():
     ours = timed(lambda: launch_forward(module, plan, q, k, v, o, lse, scale))
     causal = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     flops = 4 * D * plan.allowed_pairs * H
-    print(f"transfusion S=8192 B=4 H=16 D=128: omnigen {ours * 1e3:.2f} ms ({flops / ours / 1e12:.0f} TFLOP/s effective, "
+    print(f"{family} transfusion S=8192 B=4 H=16 D=128: omnigen {ours * 1e3:.2f} ms ({flops / ours / 1e12:.0f} TFLOP/s effective, "
           f"density {plan.density:.2f}); SDPA causal {causal * 1e3:.2f} ms "
           f"({4 * D * B * H * S * (S + 1) / 2 / causal / 1e12:.0f} TFLOP/s)")

@@ -18,7 +18,7 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.kernels.sm80.resources import spill_allowance
-from omnigen.kernels.sm80 import launch as sm80_launch
+from omnigen.kernels import launch as kernel_launch
 from omnigen.kernels.sm80 import space as sm80_space
 from omnigen import tune
 from omnigen.jit import cache, codegen
@@ -514,8 +514,8 @@ def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
         assert (p.block_m, p.block_n) == (module.BLOCK_M, module.BLOCK_N)  # planned with the module's tile
         return tuple(g.to(q.dtype) for g in attention_reference_grads(q, k, v, _mask_of(p, rules), d_out, scale))
 
-    monkeypatch.setattr(sm80_launch, "forward_pass", forward_pass)
-    monkeypatch.setattr(sm80_launch, "backward_pass", backward_pass)
+    monkeypatch.setattr(kernel_launch, "forward_pass", forward_pass)
+    monkeypatch.setattr(kernel_launch, "backward_pass", backward_pass)
     # Median times per (pass, label): the 128x128 tile wins the forward by 10%, the 3-stage one is within
     # the 1% margin of the default's backward (noise: the default keeps it).
     fake = {"fwd": {"m128n64w4s2": 10.0, "m128n128w8s2": 9.0, "m64n64w4s2": 1.0, "m128n64w4s3": 9.95},

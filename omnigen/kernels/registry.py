@@ -5,16 +5,18 @@ from __future__ import annotations
 from ..targets import ARCH_TABLE, KernelConfig
 from .family import KernelFamily
 from .sm80 import FAMILY as SM80
+from .sm90 import FAMILY as SM90
 
-FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (SM80,)}
+FAMILIES: dict[str, KernelFamily] = {family.name: family for family in (SM80, SM90)}
 
 
 def family_of(config: KernelConfig | str) -> KernelFamily:
-    """The family that builds a variant (or an arch name)."""
+    """The family that builds a variant (or, for an arch name, the arch's own family)."""
     arch = config if isinstance(config, str) else config.arch
     if arch not in ARCH_TABLE:
         raise ValueError(f"arch must be one of {', '.join(ARCH_TABLE)}, not {arch!r}")
-    return FAMILIES[ARCH_TABLE[arch].family]
+    named = "" if isinstance(config, str) else config.kernel_family
+    return FAMILIES[named or ARCH_TABLE[arch].family]
 
 
 def problems(config: KernelConfig) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from ..jit import cache, toolchain
-from ..kernels import DTYPE_NAMES, TORCH_DTYPES, check
+from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check
 from ..layout import AnyLayout, Layout, LayoutBatch
 from ..plan import Plan, plan
 from ..rules import Rules
@@ -118,7 +118,8 @@ class Kernel:
 # ------------------------------------------------------------------------------------------------
 
 
-def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str | None, tile: TileConfig | None):
+def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str | None, tile: TileConfig | None,
+                    family: str | None = None):
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
     if arch is None:
@@ -126,9 +127,13 @@ def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str |
         if arch is None:
             raise RuntimeError("no CUDA GPU is visible: pass arch='sm_80' or 'sm_90a' to build for one anyway")
     arch = toolchain.check_arch(arch)
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")
     if tile is None:
-        tile = tune_space.default_config(rules, head_dim, DTYPE_NAMES[dtype], arch).tile
-    config = KernelConfig(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], arch=arch, tile=tile)
+        tile = (FAMILIES[family].default_tile(head_dim) if family else
+                tune_space.default_config(rules, head_dim, DTYPE_NAMES[dtype], arch).tile)
+    config = KernelConfig(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], arch=arch, tile=tile,
+                          kernel_family=family or "")
     check(config)
     return config
 
@@ -141,6 +146,7 @@ def build(
     *,
     arch: str | None = None,
     tile: TileConfig | None = None,
+    family: str | None = None,
 ) -> Kernel:
     """Build (or load from the cache) the variant for these rules and return it as a callable kernel.
 
@@ -148,13 +154,15 @@ def build(
     else the default tile for the head dim. Without a pinned `tile`, the kernel dispatches each
     sequence length to the configs the tuning database holds for this GPU (when it holds any);
     `tune=True` first tunes this head dim and dtype on the visible GPU -- or reuses what an earlier
-    process tuned with the same candidate space (omnigen/tune/).
+    process tuned with the same candidate space (omnigen/tune/). `family` pins a kernel family (e.g.
+    "sm80" or "sm90" on an H100) instead of the arch's own (omnigen.kernels.FAMILIES); it implies a
+    pinned variant (no tuning database).
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
-    if tune and tile is not None:
-        raise ValueError("tune=True picks the tiles itself: pass tile=None, or tune=False to pin a tile")
-    config = _variant_config(rules, head_dim, dtype, arch, tile)
+    if tune and (tile is not None or family is not None):
+        raise ValueError("tune=True picks the tiles itself: pass tile=None and family=None, or tune=False to pin them")
+    config = _variant_config(rules, head_dim, dtype, arch, tile, family)
     if tune:
         visible = toolchain.visible_gpu_arch()
         if visible is None:
@@ -166,7 +174,7 @@ def build(
 
         tuned = tuner.tune_kernel(rules, head_dim, config.dtype)
     else:
-        tuned = _tuned_choices(rules, config) if tile is None else {}
+        tuned = _tuned_choices(rules, config) if tile is None and family is None else {}
     return Kernel(rules, config, cache.get_module(rules, config), tuned=tuned)
 
 

@@ -1,7 +1,7 @@
 """The sm80 family: mma.sync, ldmatrix and cp.async (Ampere, Ada, and Hopper until sm90 serves it).
 
-`resources` says which variants fit, `space` which tiles the tuner tries, `launch` how a built
-module is called; templates/ and include/omnigen/sm80/ hold the CUDA.
+`resources` says which variants fit, `space` which tiles the tuner tries; templates/ and
+include/omnigen/sm80/ hold the CUDA. A built module is launched through the shared binding (kernels/launch.py).
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...targets import KernelConfig, TileConfig
+from .. import launch
 from ..family import KernelFamily
-from . import launch, resources, space
+from . import resources, space
 
 
 class Sm80Family(KernelFamily):

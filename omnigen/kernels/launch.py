@@ -1,7 +1,7 @@
-"""Launching an sm80-family module: the pointer, stride and size arguments its binding takes.
+"""Launching a built module: the pointer, stride and size arguments its binding takes.
 
-The binding (common/templates/binding.cpp.j2) takes raw pointers, strides and a CUDA stream, so the
-extension never includes torch headers; this is the one place that packs them.
+Every family shares the binding (common/templates/binding.cpp.j2): raw pointers, strides and a CUDA
+stream, so the extension never includes torch headers. This is the one place that packs them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..family import kernel_ready
+from .family import kernel_ready
 
 
 def _stream() -> int:

@@ -1,0 +1,71 @@
+"""The sm90 family: Hopper's own machinery (TMA, mbarriers, wgmma, warp specialisation), sm_90a only.
+
+`resources` says which variants fit, `space` which tiles the tuner tries; templates/ holds the forward,
+include/omnigen/sm90/ the barrier, TMA and wgmma primitives. Until the Hopper backward exists, a module
+carries the sm80 family's backward kernels for the same plan tile (rendered from sm80's template).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...targets import KernelConfig, TileConfig
+from .. import launch
+from ..family import KERNELS_DIR, KernelFamily
+from ..sm80 import FAMILY as SM80
+from . import resources, space
+
+
+class Sm90Family(KernelFamily):
+    name = "sm90"
+    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}  # backward.cu.j2: sm80's
+    forward_kernel = "forward_kernel"
+    backward_kernel = "dkdv_kernel"
+
+    @property
+    def template_dirs(self):
+        return (self.directory / "templates", KERNELS_DIR / "sm80" / "templates", *super().template_dirs[1:])
+
+    @property
+    def include_dirs(self):
+        return (*super().include_dirs, KERNELS_DIR / "sm80" / "include")
+
+    def problems(self, config: KernelConfig) -> list[str]:
+        return resources.Resources(config).problems()
+
+    def backward_problems(self, config: KernelConfig) -> list[str]:
+        return resources.Resources(config).backward_problems()
+
+    def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:
+        return resources.excess_spill_bytes(kernel_name, figures)
+
+    def describe_resources(self, config: KernelConfig) -> str:
+        return f"{resources.Resources(config).shared_memory_bytes // 1024} KB smem, {config.threads} threads"
+
+    def default_tile(self, head_dim: int) -> TileConfig:
+        return resources.default_tile(head_dim)
+
+    def candidate_tiles(self, head_dim: int) -> tuple[TileConfig, ...]:
+        return space.DEFAULT_SPACE.get(head_dim, (resources.default_tile(head_dim),))
+
+    def render_context(self, config: KernelConfig) -> dict[str, Any]:
+        r = resources.Resources(config)
+        context = SM80.render_context(r.sm80_backward_config())  # the backward kernels' keys
+        context.update({
+            "warps": config.tile.warps,
+            "stages": config.tile.stages,
+            "shared_bytes": r.shared_storage_bytes,
+            "wgmma_type": "f16" if config.dtype == "fp16" else "bf16",
+            "producer_registers": resources.PRODUCER_REGISTERS,
+            "consumer_registers": resources.CONSUMER_REGISTERS,
+        })
+        return context
+
+    def forward(self, module, plan, q, k, v, scale):
+        return launch.forward_pass(module, plan, q, k, v, scale)
+
+    def backward(self, module, plan, q, k, v, out, lse, d_out, scale, deterministic=False):
+        return launch.backward_pass(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
+
+
+FAMILY = Sm90Family()

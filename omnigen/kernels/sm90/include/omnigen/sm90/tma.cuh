@@ -1,0 +1,84 @@
+// omnigen sm90 primitive: the tensor memory accelerator (TMA). A tensor map, encoded once on the host,
+// describes a 4-D tensor [batch][heads][seq][head_dim] in global memory (any strides, last dim
+// contiguous) and the box one copy moves: 64 head-dim columns (128 bytes, the 128-byte swizzle's
+// width) x `rows` rows. Rows past the end of the tensor arrive as zeros and are never written back.
+#pragma once
+#include <cstdint>
+#include <cstdio>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "omnigen/sm90/barrier.cuh"
+
+namespace omnigen::sm90 {
+
+constexpr int kBoxColumns = 64;    // head-dim columns per box: 128 bytes of 16-bit elements
+constexpr int kBoxRowBytes = 128;  // one box row, and the swizzle's period
+
+// ---- device ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// One box [rows][64] at (column, row, head, batch) into shared memory; completes `bytes` on `barrier`.
+__device__ __forceinline__ void load_box(void* destination, const CUtensorMap* map, uint64_t* barrier, int column,
+                                         int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(shared_address(destination)), "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(head),
+        "r"(batch), "r"(shared_address(barrier))
+      : "memory");
+}
+
+// ---- host --------------------------------------------------------------------------------------
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's encoder, found through the runtime (the module links no libcuda of its own).
+inline EncodeTiled encoder() {
+  static EncodeTiled found = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult result;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &result) !=
+            cudaSuccess ||
+        result != cudaDriverEntryPointSuccess) {
+      return EncodeTiled(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(function);
+  }();
+  return found;
+}
+
+// A map of a [batch][heads][seq_len][head_dim] tensor of 16-bit elements (strides in elements), boxes of
+// [rows][64]. Returns false (and says why in `message`) when the driver refuses it.
+inline bool encode_tensor_map(CUtensorMap* map, bool is_half, const void* base, int head_dim, int seq_len, int heads,
+                              int batch, int64_t stride_s, int64_t stride_h, int64_t stride_b, int rows,
+                              char* message, int message_size) {
+  const EncodeTiled encode = encoder();
+  if (encode == nullptr) {
+    snprintf(message, message_size, "the CUDA driver has no cuTensorMapEncodeTiled (a driver for CUDA 12 or newer is needed)");
+    return false;
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seq_len), cuuint64_t(heads), cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(stride_s) * 2, cuuint64_t(stride_h) * 2, cuuint64_t(stride_b) * 2};
+  const cuuint32_t box[4] = {cuuint32_t(kBoxColumns), cuuint32_t(rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = encode(map, is_half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+                                 const_cast<void*>(base), dims, strides, box, element_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    snprintf(message, message_size,
+             "cuTensorMapEncodeTiled refused a [%d, %d, %d, %d] tensor with strides (%lld, %lld, %lld) elements "
+             "(error %d): TMA needs a 16-byte aligned base and strides that are multiples of 8 elements",
+             batch, heads, seq_len, head_dim, (long long)stride_b, (long long)stride_h, (long long)stride_s, int(status));
+    return false;
+  }
+  return true;
+}
+
+}  // namespace omnigen::sm90

@@ -1,0 +1,93 @@
+"""The sm90 family's resource model: which Hopper forward tiles fit, and what they need.
+
+A CTA is three warpgroups: one producer (TMA copies; its registers shrink to PRODUCER_REGISTERS) and
+two consumers of 64 query rows each (their registers grow to CONSUMER_REGISTERS), so block_m is 128
+and warps 12. Shared memory holds Q, `stages` K and V tiles (each in boxes of 64 head-dim columns,
+1024-byte aligned) and the mbarriers. The module's backward is the sm80 family's (mma.sync) for the
+same block_m x block_n until the Hopper backward exists: its limits come from sm80's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...targets import ARCH_TABLE, KernelConfig, TileConfig
+from ..sm80.resources import Resources as Sm80Resources
+from ..sm80.resources import excess_spill_bytes as sm80_excess_spill_bytes
+
+BLOCK_M = 128
+WARPS = 12  # producer warpgroup + two consumer warpgroups
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232  # 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536
+# Scores (block_n / 2), output (head_dim / 2) and P (block_n / 4) fp32/packed registers per consumer
+# thread must leave room for addresses, softmax state and the mask tables under CONSUMER_REGISTERS.
+MAX_TILE_REGISTERS = 184
+
+
+def default_tile(head_dim: int) -> TileConfig:
+    return TileConfig(BLOCK_M, 64 if head_dim > 128 else 128, WARPS, 2)
+
+
+def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
+    """The Hopper forward may not spill at all; the backward kernels keep the sm80 allowance."""
+    if "forward_kernel" in kernel_name:
+        return figures.get("spill_store_bytes", 0) + figures.get("spill_load_bytes", 0)
+    return sm80_excess_spill_bytes(kernel_name, figures)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one variant of the sm90 forward needs; `problems()` lists why it cannot be built."""
+
+    config: KernelConfig
+
+    @property
+    def boxes(self) -> int:
+        return self.config.head_dim // 64
+
+    @property
+    def shared_storage_bytes(self) -> int:
+        """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, the barriers in the last 1 KB."""
+        t = self.config.tile
+        q = t.block_m * 128 * self.boxes
+        kv = t.block_n * 128 * self.boxes
+        return q + 2 * t.stages * kv + 1024
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        """What the launch asks for: the storage plus 1 KB to align the dynamic base to 1024 bytes."""
+        return self.shared_storage_bytes + 1024
+
+    def sm80_backward_config(self) -> KernelConfig:
+        """The sm80 variant whose backward kernels this module carries (same plan tile)."""
+        t = self.config.tile
+        c = self.config
+        return KernelConfig(c.head_dim, c.dtype, c.arch, TileConfig(t.block_m, t.block_n, 8, 2), kernel_family="sm80")
+
+    def backward_problems(self) -> list[str]:
+        return Sm80Resources(self.sm80_backward_config()).backward_problems()
+
+    def problems(self) -> list[str]:
+        out = self.config.identity_problems()
+        if out:
+            return out
+        c, t = self.config, self.config.tile
+        if c.arch != "sm_90a":
+            out.append(f"the sm90 family needs wgmma and setmaxnreg: build it for sm_90a, not {c.arch}")
+        if t.block_m != BLOCK_M:
+            out.append(f"block_m must be {BLOCK_M} (two consumer warpgroups of 64 rows), not {t.block_m}")
+        if t.warps != WARPS:
+            out.append(f"warps must be {WARPS} (a producer and two consumer warpgroups), not {t.warps}")
+        if t.block_n % 16 or not 16 <= t.block_n <= 256:
+            out.append(f"block_n must be a multiple of 16 from 16 to 256 (wgmma N, TMA box rows), not {t.block_n}")
+        if t.stages < 2:
+            out.append(f"stages must be at least 2 (the producer fills one while the consumers read another)")
+        registers = t.block_n // 2 + c.head_dim // 2 + t.block_n // 4
+        if registers > MAX_TILE_REGISTERS:
+            out.append(f"block_n {t.block_n} with head_dim {c.head_dim} needs {registers} registers per consumer thread "
+                       f"for scores, output and P (at most {MAX_TILE_REGISTERS} fit): lower block_n")
+        limit = ARCH_TABLE[c.arch].shared_memory
+        if not out and self.shared_memory_bytes > limit:
+            out.append(f"the tile needs {self.shared_memory_bytes} bytes of shared memory, {c.arch} allows {limit}: "
+                       "lower block_n or stages")
+        return out
