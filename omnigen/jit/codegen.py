@@ -65,9 +65,17 @@ def template_files() -> tuple[tuple[str, bytes], ...]:
     return tuple((p.relative_to(KERNELS_DIR).as_posix(), p.read_bytes()) for p in files)
 
 
-def template_digest() -> str:
+def template_digest(config: KernelConfig | None = None) -> str:
+    """A hash of every template and header, or (given a variant) of those its family reads: editing one
+    family's templates renames the other families' modules not at all."""
+    if config is None:
+        selected = template_files()
+    else:
+        family = family_of(config)
+        roots = [d.relative_to(KERNELS_DIR).as_posix() + "/" for d in (*family.template_dirs, *family.include_dirs)]
+        selected = tuple((name, data) for name, data in template_files() if name.startswith(tuple(roots)))
     digest = hashlib.sha256()
-    for name, data in template_files():
+    for name, data in selected:
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return digest.hexdigest()
 
@@ -89,7 +97,7 @@ def variant_stem(rules: Rules, config: KernelConfig) -> str:
 def module_hash(rules: Rules, config: KernelConfig, length: int = 8) -> str:
     rules = rules.without_kernel()
     payload = json.dumps(
-        {"rules": rules.to_dict(), "config": config.as_dict(), "templates": template_digest(), "omnigen": __version__},
+        {"rules": rules.to_dict(), "config": config.as_dict(), "templates": template_digest(config), "omnigen": __version__},
         sort_keys=True,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:length]
