@@ -51,7 +51,7 @@ class Resources:
         t = self.config.tile
         q = t.block_m * 128 * self.boxes
         kv = t.block_n * 128 * self.boxes
-        return q + 2 * t.stages * kv + 1024
+        return q + 2 * t.stages * kv + 1024  # barriers: Q, and full + empty for K and V per stage
 
     @property
     def shared_memory_bytes(self) -> int:
