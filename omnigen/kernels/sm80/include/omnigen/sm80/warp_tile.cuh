@@ -66,11 +66,11 @@ __device__ __forceinline__ void mask_by_row(float (&acc)[M][N][4], RowTest row_t
 
 // acc[m][n] += A[m] B[n]^T over kSteps 16-column steps, both operands [rows][16 kSteps] swizzled tiles in
 // shared memory read with ldmatrix: A's 16-row blocks from byte a_bytes on; B's 16-row blocks from row b_row
-// of the tile at b_bytes, read in B order (b_order: SwizzledTile::b_operand_offset_bytes). lane_address[kk % 4]
+// of the tile at b_bytes + kTileOffset, read in B order (b_order: SwizzledTile::b_operand_offset_bytes). lane_address[kk % 4]
 // is the per-lane part of step kk (SwizzledTile::lane_pattern_bytes). This is S = Q K^T (rows queries),
 // S^T = K Q^T and dP = dO V^T on a warp tile. (The tile and the row stay separate terms of the address, as
 // in the loops this replaced: summed by the caller, ptxas scheduled the forward differently and spilled.)
-template <typename Tile, int kSteps, typename Element, int M, int N>
+template <typename Tile, int kSteps, typename Element, uint32_t kTileOffset = 0, int M, int N>
 __device__ __forceinline__ void mma_abt(float (&acc)[M][N][4], const uint32_t (&lane_address)[4], uint32_t a_bytes,
                                         int32_t b_order, uint32_t b_bytes, int b_row) {
   static_assert(N % 2 == 0, "B fragments come in pairs of n8 blocks");
@@ -85,7 +85,7 @@ __device__ __forceinline__ void mma_abt(float (&acc)[M][N][4], const uint32_t (&
     for (int nb = 0; nb < N / 2; ++nb) {
       // [0], [1]: B rows nb*16 .. +7 (the B fragment of block 2nb); [2], [3]: rows nb*16+8 .. +15
       uint32_t b[4];
-      ldmatrix_x4(b, lane_address[kk % 4] + b_order + b_bytes + (b_row + nb * 16) * Tile::kRowBytes + Tile::step_bytes(kk));
+      ldmatrix_x4(b, lane_address[kk % 4] + b_order + b_bytes + kTileOffset + (b_row + nb * 16) * Tile::kRowBytes + Tile::step_bytes(kk));
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         Mma<Element>::run(acc[m][2 * nb], a[m], b[0], b[1]);
