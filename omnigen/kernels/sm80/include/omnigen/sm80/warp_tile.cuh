@@ -28,42 +28,6 @@ __device__ __forceinline__ void zero(Array& acc) {
   fill(acc, 0.f);
 }
 
-// acc[m][n][e] = -inf wherever masked(row, column) holds, with row = 16 m + 8 (e / 2) and column = 8 n + e % 2
-// relative to the thread's first element.
-template <int M, int N, typename Masked>
-__device__ __forceinline__ void mask_where(float (&acc)[M][N][4], Masked masked) {
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (masked(16 * m + 8 * (e / 2), 8 * n + e % 2)) acc[m][n][e] = -INFINITY;
-      }
-    }
-  }
-}
-
-// The same, with the predicate built once per row: row_test(row) returns the column test of that row
-// (e.g. the rules' RowRule of one query, applied to every key of the row).
-template <int M, int N, typename RowTest>
-__device__ __forceinline__ void mask_by_row(float (&acc)[M][N][4], RowTest row_test) {
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const auto allowed_column = row_test(16 * m + 8 * h);
-#pragma unroll
-      for (int n = 0; n < N; ++n) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          if (!allowed_column(8 * n + c)) acc[m][n][2 * h + c] = -INFINITY;
-        }
-      }
-    }
-  }
-}
-
 // acc[m][n] += A[m] B[n]^T over kSteps 16-column steps, both operands [rows][16 kSteps] swizzled tiles in
 // shared memory read with ldmatrix: A's 16-row blocks from byte a_bytes on; B's 16-row blocks from row b_row
 // of the tile at b_bytes + kTileOffset, read in B order (b_order: SwizzledTile::b_operand_offset_bytes). lane_address[kk % 4]
