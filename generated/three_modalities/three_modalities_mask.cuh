@@ -13,12 +13,19 @@
 //     image -> text: all
 //   documents: isolated
 //
-// The masking rules 'three_modalities' as compile-time constants, and the predicate the forward kernel
-// evaluates on partial tiles. Full and causal tiles never call it (see the kernel file).
+// The masking rules 'three_modalities' as compile-time constants, and the predicate the kernels evaluate on
+// partial tiles (full and causal tiles never call it; see the kernel files). How the tables become a
+// per-row rule is the same for every rules file: omnigen/mask_rules.cuh.
 #pragma once
 #include <cstdint>
 
+#include "omnigen/mask_rules.cuh"
+
 namespace omnigen_rules_three_modalities {
+
+using omnigen::RowRule;
+using omnigen::See;
+using omnigen::SelfPolicy;
 
 // Modality ids: the order of omnigen.Rules.modality_id (sorted names); the built-in pad is the last id.
 namespace modality {
@@ -29,91 +36,61 @@ enum : int {
   kPad = 3,  // never attends, never attended
 };
 }  // namespace modality
-constexpr int kNumModalities = 3;
 
-enum class SelfPolicy : int { kCausal, kFull };    // a query in its own segment: k <= q, or every key
-enum class See : int { kNone, kEarlier, kAll };     // other segments of the document: none, before it, all
+struct MaskTables {
+  static constexpr int kNumModalities = 3;
 
-// rules `modalities:`: each modality's self policy and sliding window (0: no window).
-constexpr SelfPolicy kSelf[kNumModalities] = {
-    SelfPolicy::kFull,  // audio
-    SelfPolicy::kFull,  // image
-    SelfPolicy::kCausal,  // text
+  // rules `modalities:`: each modality's self policy and sliding window (0: no window).
+  static constexpr SelfPolicy kSelf[kNumModalities] = {
+      SelfPolicy::kFull,  // audio
+      SelfPolicy::kFull,  // image
+      SelfPolicy::kCausal,  // text
+  };
+  static constexpr int kWindow[kNumModalities] = {
+      128,  // audio
+      0,  // image
+      0,  // text
+  };
+
+  // rules `see:` (default: earlier): kSee[query modality][key modality].
+  static constexpr See kSee[kNumModalities][kNumModalities] = {
+      // key:          audio          image          text
+      /* audio -> */ { See::kEarlier, See::kNone   , See::kEarlier },
+      /* image -> */ { See::kEarlier, See::kEarlier, See::kAll     },
+      /* text  -> */ { See::kEarlier, See::kEarlier, See::kEarlier },
+  };
+
+  // rules `documents: isolated`
+  static constexpr bool kIsolatedDocuments = true;
+  // a key further back than the sliding window of the query's modality is never seen
+  static constexpr bool kHasWindows = true;
 };
-constexpr int kWindow[kNumModalities] = {
-    128,  // audio
-    0,  // image
-    0,  // text
-};
-
-// rules `see:` (default: earlier): kSee[query modality][key modality].
-constexpr See kSee[kNumModalities][kNumModalities] = {
-    // key:          audio          image          text
-    /* audio -> */ { See::kEarlier, See::kNone   , See::kEarlier },
-    /* image -> */ { See::kEarlier, See::kEarlier, See::kAll     },
-    /* text  -> */ { See::kEarlier, See::kEarlier, See::kEarlier },
-};
-
-// rules `documents: isolated`
-constexpr bool kIsolatedDocuments = true;
-
-// What the query rows of one modality may see, folded from the tables above at compile time.
-struct RowRule {
-  uint32_t sees_earlier;  // bit k: keys of modality k in earlier segments are allowed
-  uint32_t sees_later;    // bit k: keys of modality k in later segments are allowed
-  int self_reach;         // own segment: key allowed iff k - q <= self_reach (0 causal, huge full, -huge pad)
-  int window;             // key allowed only if q - k < window (huge when the modality has no window)
-};
-
-constexpr int kUnlimited = 1 << 30;
-
-__host__ __device__ constexpr RowRule derive_row_rule(int query_modality) {
-  RowRule rule{0u, 0u, -kUnlimited, kUnlimited};  // pad: nothing
-  if (query_modality >= kNumModalities) return rule;
-  for (int key = 0; key < kNumModalities; ++key) {
-    const See see = kSee[query_modality][key];
-    if (see == See::kEarlier || see == See::kAll) rule.sees_earlier |= 1u << key;
-    if (see == See::kAll) rule.sees_later |= 1u << key;
-  }
-  rule.self_reach = kSelf[query_modality] == SelfPolicy::kCausal ? 0 : kUnlimited;
-  rule.window = kWindow[query_modality] > 0 ? kWindow[query_modality] : kUnlimited;
-  return rule;
-}
+constexpr bool kIsolatedDocuments = MaskTables::kIsolatedDocuments;
 
 // The rule of one query row, by its (run-time) modality: a chain of selects between compile-time
 // constants, so no table is read from memory.
 __device__ __forceinline__ RowRule row_rule(int query_modality) {
-  RowRule rule = derive_row_rule(modality::kPad);
+  RowRule rule = omnigen::derive_row_rule<MaskTables>(modality::kPad);
   {
-    constexpr RowRule kAudioRule = derive_row_rule(modality::kAudio);
+    constexpr RowRule kAudioRule = omnigen::derive_row_rule<MaskTables>(modality::kAudio);
     if (query_modality == modality::kAudio) rule = kAudioRule;
   }
   {
-    constexpr RowRule kImageRule = derive_row_rule(modality::kImage);
+    constexpr RowRule kImageRule = omnigen::derive_row_rule<MaskTables>(modality::kImage);
     if (query_modality == modality::kImage) rule = kImageRule;
   }
   {
-    constexpr RowRule kTextRule = derive_row_rule(modality::kText);
+    constexpr RowRule kTextRule = omnigen::derive_row_rule<MaskTables>(modality::kText);
     if (query_modality == modality::kText) rule = kTextRule;
   }
   return rule;
 }
 
-// DESIGN section 1 for one (query, key) pair of a partial tile. Positions count from the start of the
-// sequence; segment ids grow along it, so `key_segment < query_segment` means "an earlier segment".
-__device__ __forceinline__ bool allowed(const RowRule& rule, int query_position, int query_segment,
-                                        int query_document, int key_position, int key_segment,
-                                        int key_modality, int key_document) {
-  // Branch-free on purpose: every term is computed and selected, so the partial path compiles to
-  // straight-line selects (if/else chains here became per-pair branches and reconvergence points).
-  const bool own_ok = key_position - query_position <= rule.self_reach;      // own segment: the self policy
-  const uint32_t other_bits = key_segment < query_segment ? rule.sees_earlier  // earlier: see earlier | all
-                                                          : rule.sees_later;   // later: see all
-  const bool other_ok = (other_bits & (1u << key_modality)) != 0u;
-  bool ok = key_segment == query_segment ? own_ok : other_ok;
-  ok &= key_document == query_document;                                      // documents: isolated
-  ok &= query_position - key_position < rule.window;                         // sliding window of the query's modality
-  return ok;
+// Whether the query (rule, position, segment, document) may see the key (position, segment, modality, document).
+__device__ __forceinline__ bool allowed(const RowRule& rule, int query_position, int query_segment, int query_document,
+                                        int key_position, int key_segment, int key_modality, int key_document) {
+  return omnigen::allowed<MaskTables>(rule, query_position, query_segment, query_document, key_position, key_segment,
+                                      key_modality, key_document);
 }
 
 }  // namespace omnigen_rules_three_modalities
