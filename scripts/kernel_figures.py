@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and SASS instruction counts per kernel, per variant, for the current tree.
 
-Renders each variant with omnigen.codegen.render, compiles its kernel file to a cubin with the build's nvcc
-flags (omnigen.toolchain.nvcc_flags, minus the host-only ones), and prints ptxas's figures per kernel. With
+Renders each variant with omnigen.jit.codegen.render, compiles its kernel file to a cubin with the build's nvcc
+flags (omnigen.jit.toolchain.nvcc_flags, minus the host-only ones), and prints ptxas's figures per kernel. With
 --sass it also counts SASS instructions per kernel (cuobjdump; `pip install nvidia-cuda-cuobjdump`), in total
 and for the classes that matter for speed (HMMA, LDSM, LDGSTS, BAR, LDS, STS, LDL/STL, BRA).
 
@@ -12,7 +12,7 @@ Use it to check that a template refactor leaves the compiled code as it was:
 
 Variants: --preset tune (default) is the tuner's DEFAULT_SPACE for head dims 64 and 128 plus the d256
 default, bf16, sm_80 and sm_90a, on the transfusion rules; --preset hot is bf16 d64/d128 m128n64w4s2 on
-sm_90a with --sass; --variant RULES:DTYPE:D:MxNxWxS:ARCH adds single ones (rules: a name under
+sm_90a with --sass; --variant RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY] adds single ones (rules: a name under
 examples/rules/ or a path).
 """
 
@@ -32,35 +32,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from omnigen import codegen, toolchain  # noqa: E402
-from omnigen.rules import Rules, TileConfig  # noqa: E402
-from omnigen.tune_space import DEFAULT_SPACE  # noqa: E402
+from omnigen.jit import codegen, toolchain  # noqa: E402
+from omnigen.kernels import family_of  # noqa: E402
+from omnigen.kernels.sm80.resources import DEFAULT_TILE_D256  # noqa: E402
+from omnigen.kernels.sm80.space import DEFAULT_SPACE  # noqa: E402
+from omnigen.rules import Rules  # noqa: E402
+from omnigen.targets import DEFAULT_TILE, KernelConfig, TileConfig  # noqa: E402
 
 SASS_CLASSES = ("HMMA", "LDSM", "LDGSTS", "BAR", "LDS", "STS", "LDL", "STL", "BRA", "MUFU", "SHFL")
 SHORT_KERNEL = re.compile(r"(forward_kernel|dkdv_kernel|dq_kernel|delta_kernel)")
 
 
-def parse_variant(text: str) -> tuple[str, codegen.KernelConfig]:
-    rules, dtype, head_dim, tile, arch = text.split(":")
+def parse_variant(text: str) -> tuple[str, KernelConfig]:
+    rules, dtype, head_dim, tile, arch, *family = text.split(":")
     m, n, w, s = (int(x) for x in tile.lower().split("x"))
-    return rules, codegen.KernelConfig(int(head_dim), dtype, arch, TileConfig(m, n, w, s))
+    return rules, KernelConfig(int(head_dim), dtype, arch, TileConfig(m, n, w, s), kernel_family="".join(family))
 
 
-def preset(name: str) -> list[tuple[str, codegen.KernelConfig]]:
-    out: list[tuple[str, codegen.KernelConfig]] = []
+def preset(name: str) -> list[tuple[str, KernelConfig]]:
+    out: list[tuple[str, KernelConfig]] = []
     if name == "tune":
         for arch in ("sm_80", "sm_90a"):
             for head_dim in (64, 128):
                 for tile in DEFAULT_SPACE[head_dim]:
-                    out.append(("transfusion", codegen.KernelConfig(head_dim, "bf16", arch, tile)))
-            out.append(("transfusion", codegen.KernelConfig(256, "bf16", arch, codegen.DEFAULT_TILE_D256)))
+                    out.append(("transfusion", KernelConfig(head_dim, "bf16", arch, tile)))
+            out.append(("transfusion", KernelConfig(256, "bf16", arch, DEFAULT_TILE_D256)))
         # the other template branches: fp16, isolated documents without images, sliding windows
-        out.append(("transfusion", codegen.KernelConfig(128, "fp16", "sm_90a", codegen.DEFAULT_TILE)))
-        out.append(("causal_documents", codegen.KernelConfig(128, "bf16", "sm_90a", codegen.DEFAULT_TILE)))
-        out.append(("sliding_window", codegen.KernelConfig(64, "fp16", "sm_80", codegen.DEFAULT_TILE)))
+        out.append(("transfusion", KernelConfig(128, "fp16", "sm_90a", DEFAULT_TILE)))
+        out.append(("causal_documents", KernelConfig(128, "bf16", "sm_90a", DEFAULT_TILE)))
+        out.append(("sliding_window", KernelConfig(64, "fp16", "sm_80", DEFAULT_TILE)))
     elif name == "hot":
         for head_dim in (64, 128):
-            out.append(("transfusion", codegen.KernelConfig(head_dim, "bf16", "sm_90a", codegen.DEFAULT_TILE)))
+            out.append(("transfusion", KernelConfig(head_dim, "bf16", "sm_90a", DEFAULT_TILE)))
     return out
 
 
@@ -111,7 +114,7 @@ def sass_counts(cubin: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def compile_variant(rules_name: str, config: codegen.KernelConfig, sass: bool, keep: Path | None) -> dict:
+def compile_variant(rules_name: str, config: KernelConfig, sass: bool, keep: Path | None) -> dict:
     rules = load_rules(rules_name)
     sources = codegen.render(rules, config)
     names = codegen.source_names(rules, config)
@@ -122,7 +125,7 @@ def compile_variant(rules_name: str, config: codegen.KernelConfig, sass: bool, k
         flags = [f for f in toolchain.nvcc_flags(config) if not f.startswith("-Xcompiler")]
         flags = [f.replace("-Xptxas=-v,-warn-spills,-warn-lmem-usage", "-Xptxas=-v") for f in flags]
         cubin = work / "kernel.cubin"
-        command = ["nvcc", *flags, "-cubin", "-o", str(cubin), *("-I" + str(d) for d in codegen.INCLUDE_DIRS),
+        command = ["nvcc", *flags, "-cubin", "-o", str(cubin), *("-I" + str(d) for d in family_of(config).include_dirs),
                    "-I" + str(work), str(work / names["kernel"])]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
@@ -156,7 +159,7 @@ def fmt_figures(f: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=("tune", "hot", "none"), default="tune")
-    parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH")
+    parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY]")
     parser.add_argument("--sass", action="store_true", help="count SASS instructions too (hot preset: always)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--compare", type=Path, help="print differences against this earlier --json output")

@@ -58,6 +58,7 @@ class Sm90Family(KernelFamily):
             "wgmma_type": "f16" if config.dtype == "fp16" else "bf16",
             "producer_registers": resources.PRODUCER_REGISTERS,
             "consumer_registers": resources.CONSUMER_REGISTERS,
+            "pingpong": resources.PINGPONG,
         })
         return context
 

@@ -22,6 +22,7 @@ CONSUMER_REGISTERS = 232  # 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536
 # Scores (block_n / 2), output (head_dim / 2) and P (block_n / 4) fp32/packed registers per consumer
 # thread must leave room for addresses, softmax state and the mask tables under CONSUMER_REGISTERS.
 MAX_TILE_REGISTERS = 184
+PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPingPong): no measurable gain yet (RESULTS.md)
 
 
 def default_tile(head_dim: int) -> TileConfig:
