@@ -30,7 +30,7 @@ ARCH_TABLE: dict[str, Arch] = {
         Arch("sm_86", (8, 6), 99 * 1024, "sm80", (), (11, 1), "A10, A40, RTX 30xx"),
         Arch("sm_89", (8, 9), 99 * 1024, "sm80", (), (11, 8), "L4, L40, RTX 40xx"),
         Arch("sm_90", (9, 0), 227 * 1024, "sm80", (), (12, 0), "H100, H200, portable code only"),
-        Arch("sm_90a", (9, 0), 227 * 1024, "sm80", ("sm90",), (12, 0), "H100, H200"),
+        Arch("sm_90a", (9, 0), 227 * 1024, "sm90", ("sm80",), (12, 0), "H100, H200"),
     )
 }
 ARCHS = tuple(ARCH_TABLE)

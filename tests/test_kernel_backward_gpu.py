@@ -59,7 +59,9 @@ OTHER_TILES = [(64, WIDE_TILE), (128, WIDE_TILE), (64, TileConfig(block_m=64, bl
 
 
 def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None) -> KernelConfig:
-    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default_tile(head_dim))
+    """An sm80-family variant (on a Hopper GPU too: its modules carry the same backward as sm90's)."""
+    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default_tile(head_dim),
+                        kernel_family="sm80")
 
 
 def _module(rules: omnigen.Rules, head_dim: int, dtype: str, tile: TileConfig | None = None):

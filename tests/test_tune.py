@@ -38,6 +38,8 @@ from fake_toolchain import fake_toolchain
 REPO = Path(__file__).resolve().parent.parent
 RULES = omnigen.Rules(name="tunetest", modalities={"text": "causal", "image": "full"})
 DEVICE = tune_db.Device("NVIDIA Test GPU", "9.0", "13.0.88")
+# The tuner's machinery is family-independent; these tests drive it with the sm80 family on a Hopper-sized
+# arch: "sm_90" (portable code, 227 KB of shared memory) is served by sm80, "sm_90a" by sm90.
 
 
 @pytest.fixture
@@ -52,9 +54,9 @@ def cache_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_space_only_holds_tiles_the_templates_take(head_dim):
-    candidates, pruned = tune_space.candidate_space(RULES, head_dim, "bf16", "sm_90a")
+    candidates, pruned = tune_space.candidate_space(RULES, head_dim, "bf16", "sm_90")
     assert not pruned, pruned
-    assert candidates[0].config == KernelConfig(head_dim, "bf16", "sm_90a", default_tile(head_dim))
+    assert candidates[0].config == KernelConfig(head_dim, "bf16", "sm_90", default_tile(head_dim))
     assert len(candidates) == len(sm80_space.DEFAULT_SPACE[head_dim]) >= 4
     for c in candidates:
         assert not kernels.problems(c.config)
@@ -82,15 +84,15 @@ def test_rules_tiles_replace_the_default_space_and_the_default_stays_first():
         {"block_m": 128, "block_n": 256, "warps": 4, "stages": 4},  # does not fit: pruned
         {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2},
         {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2}]}})
-    candidates, pruned = tune_space.candidate_space(rules, 128, "bf16", "sm_90a")
+    candidates, pruned = tune_space.candidate_space(rules, 128, "bf16", "sm_90")
     assert [c.label for c in candidates] == ["m64n64w4s2", "m128n128w8s2"]  # the first that fits is the default
     assert [config.tile.label for config, _ in pruned] == ["m128n256w4s4"]
-    assert tune_space.default_config(rules, 128, "bf16", "sm_90a").tile == TileConfig(64, 64, 4, 2)
-    assert ops._variant_config(rules, 128, torch.bfloat16, "sm_90a", None).tile == TileConfig(64, 64, 4, 2)
+    assert tune_space.default_config(rules, 128, "bf16", "sm_90").tile == TileConfig(64, 64, 4, 2)
+    assert ops._variant_config(rules, 128, torch.bfloat16, "sm_90", None).tile == TileConfig(64, 64, 4, 2)
 
 
 def test_ptxas_spills_prune_only_the_pass_that_spills():
-    candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90a"))
+    candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90"))
     report = {"kernels": {
         "_ZN3ns14forward_kernelE11ForwardArgs": {"spill_store_bytes": 0, "spill_load_bytes": 0},
         "_ZN3ns11dkdv_kernelE12BackwardArgs": {"spill_store_bytes": 400, "spill_load_bytes": 408},
@@ -108,7 +110,7 @@ def test_ptxas_spills_prune_only_the_pass_that_spills():
 
 def test_forward_spill_allowance():
     """The forward may spill the few per-tile bytes SPILL_ALLOWANCE_BYTES (kernels/sm80/resources.py) allows, not more."""
-    candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90a"))
+    candidate = tune_space.Candidate(KernelConfig(128, "bf16", "sm_90"))
     allowance = spill_allowance("_ZN3ns14forward_kernelE11ForwardArgs")
     assert allowance > 0 and spill_allowance("_ZN3ns9dq_kernelE12BackwardArgs") == 0
 
@@ -129,7 +131,7 @@ def test_build_table_marks_tolerated_spills():
         return {"ptxas": {"registers": 255, "spill_store_bytes": forward + dkdv, "spill_load_bytes": forward + dkdv,
                           "kernels": kernels}}
 
-    config = KernelConfig(128, "bf16", "sm_90a")
+    config = KernelConfig(128, "bf16", "sm_90")
     assert _ptxas_cells(config, meta(0, 0)) == ["255", "0 B"]
     assert _ptxas_cells(config, meta(8, 0)) == ["255", "16 B*"]  # the forward's per-tile spill: tolerated
     assert _ptxas_cells(config, meta(8, 136)) == ["255", "288 B*"]  # the dK/dV kernel's per-step addresses: tolerated
@@ -197,14 +199,14 @@ def test_database_round_trip_lookup_and_stale_entries_ignored(cache_dir):
     assert path == cache_dir / "tuning.json" and json.loads(path.read_text())["format"] == 1
     found = tune_db.entries_for(DEVICE, RULES, "bf16", 128)
     assert sorted(found) == [4096, 16384]  # the stale entry and the other GPU's are not used
-    choices = tune_db.lookup(DEVICE, RULES, "bf16", 128, "sm_90a")
-    assert choices[4096].forward == KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 64, 4, 2))
+    choices = tune_db.lookup(DEVICE, RULES, "bf16", 128, "sm_90")
+    assert choices[4096].forward == KernelConfig(128, "bf16", "sm_90", TileConfig(128, 64, 4, 2))
     assert choices[4096].backward.tile == TileConfig(128, 128, 8, 2)
     assert tune_db.nearest(choices, 1024) is choices[4096]  # below every tuned bucket: the nearest
     assert tune_db.nearest(choices, 10000) is choices[16384]  # 8192 is equally far from 4096 and 16384: up
     assert tune_db.nearest(choices, 5000) is choices[4096]
     assert tune_db.nearest({}, 4096) is None
-    assert tune_db.lookup(DEVICE, RULES, "bf16", 64, "sm_90a") == {}
+    assert tune_db.lookup(DEVICE, RULES, "bf16", 64, "sm_90") == {}
 
 
 def test_choices_skip_winners_that_cannot_be_built():
@@ -214,7 +216,7 @@ def test_choices_skip_winners_that_cannot_be_built():
     found = tune_db.choices({b: entries[b] for b in (1024, 2048)}, 128, "bf16", "sm_80")
     assert 1024 not in found
     assert found[2048].backward == found[2048].forward  # a backward winner without a backward kernel falls back
-    assert tune_db.choices({4096: entries[4096]}, 256, "bf16", "sm_90a")[4096].forward.tile == TileConfig(64, 32, 4, 2)
+    assert tune_db.choices({4096: entries[4096]}, 256, "bf16", "sm_90")[4096].forward.tile == TileConfig(64, 32, 4, 2)
 
 
 def test_corrupt_database_is_ignored_then_replaced(cache_dir):
@@ -238,7 +240,7 @@ def test_concurrent_writers_keep_every_entry(cache_dir):
 
 
 def test_reuse_needs_every_bucket_fresh_with_the_same_space_and_layouts(cache_dir):
-    job = tune.prepare(RULES, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[2048, 4096], tokens=8192)
+    job = tune.prepare(RULES, [64], ["bf16"], "sm_90", DEVICE, seq_lens=[2048, 4096], tokens=8192)
     space = job.spaces[0]
     assert sorted(job.layouts) == [2048, 4096] and [c.label for c in space.candidates] == space.labels
     entries = {job.key(space, b): _entry(b, head_dim=64, space=space.labels) for b in (2048, 4096)}
@@ -332,7 +334,7 @@ def test_a_candidate_must_beat_the_default_by_the_margin():
 
 def test_failed_candidate_scores_infinity_and_the_rest_builds(cache_dir, tmp_path, monkeypatch):
     toolchain = fake_toolchain(tmp_path / "tools")
-    job = tune.prepare(RULES, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[1024])
+    job = tune.prepare(RULES, [64], ["bf16"], "sm_90", DEVICE, seq_lens=[1024])
     original = cache.variant
 
     def planting(rules, config, _toolchain=None):
@@ -347,7 +349,7 @@ def test_failed_candidate_scores_infinity_and_the_rest_builds(cache_dir, tmp_pat
     monkeypatch.setattr(cache, "variant", planting)
     notes = tune.compile_candidates(job, toolchain, jobs=2)
     space = job.spaces[0]
-    assert list(space.failed) == [KernelConfig(64, "bf16", "sm_90a", TileConfig(64, 64, 4, 2))]
+    assert list(space.failed) == [KernelConfig(64, "bf16", "sm_90", TileConfig(64, 64, 4, 2))]
     assert "error: planted failure" in next(iter(space.failed.values()))
     assert len(space.candidates) == len(sm80_space.DEFAULT_SPACE[64]) - 1
     spilled = next(c for c in space.candidates if c.config.tile == TileConfig(128, 64, 4, 3))
@@ -367,9 +369,9 @@ class _Module:
 
 
 def test_kernel_dispatches_per_bucket_and_plans_per_tile_shape(monkeypatch):
-    default = KernelConfig(64, "bf16", "sm_90a")
-    wide = KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 128, 8, 2))
-    deep = KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 64, 4, 3))
+    default = KernelConfig(64, "bf16", "sm_90")
+    wide = KernelConfig(64, "bf16", "sm_90", TileConfig(128, 128, 8, 2))
+    deep = KernelConfig(64, "bf16", "sm_90", TileConfig(128, 64, 4, 3))
     tuned = {4096: tune_db.Choice(default, wide), 16384: tune_db.Choice(wide, wide)}
     kernel = ops.Kernel(RULES, default, _Module("default"), tuned=tuned)
     assert kernel.choice(4000) == tuned[4096] and kernel.choice(30000) == tuned[16384]
@@ -497,7 +499,7 @@ def test_measure_verifies_times_picks_and_writes(cache_dir, monkeypatch):
     rules = omnigen.Rules.from_dict({**RULES.to_dict(), "kernel": {"tiles": [
         {"block_m": 128, "block_n": 64, "warps": 4, "stages": 2}, {"block_m": 128, "block_n": 128, "warps": 8, "stages": 2},
         {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}, {"block_m": 128, "block_n": 64, "warps": 4, "stages": 3}]}})
-    job = tune.prepare(rules, [64], ["bf16"], "sm_90a", DEVICE, seq_lens=[256], tokens=512)
+    job = tune.prepare(rules, [64], ["bf16"], "sm_90", DEVICE, seq_lens=[256], tokens=512)
     monkeypatch.setattr(tune_measurement, "VERIFY_SEQ_LEN", 150)
     labels = [c.label for c in job.spaces[0].candidates]
     assert labels == ["m128n64w4s2", "m128n128w8s2", "m64n64w4s2", "m128n64w4s3"]
@@ -559,8 +561,8 @@ def test_cli_tune_flow_builds_candidates_prints_tables_and_reuses(cache_dir, tmp
     import omnigen.cli.build as cli_build
 
     _no_gpu(monkeypatch, tmp_path)
-    monkeypatch.setattr(cli_build, "visible_gpu_arch", lambda: "sm_90a")
-    monkeypatch.setattr(omnigen.jit.toolchain, "visible_gpu_arch", lambda: "sm_90a")  # default_archs() asks it
+    monkeypatch.setattr(cli_build, "visible_gpu_arch", lambda: "sm_90")
+    monkeypatch.setattr(omnigen.jit.toolchain, "visible_gpu_arch", lambda: "sm_90")  # default_archs() asks it
     monkeypatch.setattr(tune_db.Device, "current", classmethod(lambda cls, device=None: DEVICE))
     measured = []
 

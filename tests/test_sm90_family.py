@@ -1,0 +1,90 @@
+"""The sm90 (Hopper) kernel family without a GPU: its resource model, candidate space, rendered source and
+the registry that gives it sm_90a. Compiling it for sm_90a with the real nvcc is in test_toolchain.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import omnigen
+from omnigen import kernels
+from omnigen.jit import codegen
+from omnigen.kernels.sm90 import resources, space
+from omnigen.targets import ARCH_TABLE, KernelConfig, TileConfig
+from omnigen.tune import space as tune_space
+
+RULES = omnigen.Rules(name="hopper", modalities={"text": "causal", "image": "full"})
+
+
+def test_sm_90a_is_served_by_sm90_with_sm80_as_fallback():
+    assert ARCH_TABLE["sm_90a"].family == "sm90" and "sm80" in ARCH_TABLE["sm_90a"].other_families
+    assert kernels.family_of("sm_90a").name == "sm90"
+    assert kernels.family_of(KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 64, 4, 2), kernel_family="sm80")).name == "sm80"
+    for arch in ("sm_80", "sm_86", "sm_89", "sm_90"):
+        assert kernels.family_of(arch).name == "sm80"
+
+
+def test_a_family_that_does_not_build_for_the_arch_is_refused():
+    config = KernelConfig(128, "bf16", "sm_80", TileConfig(128, 128, 12, 2), kernel_family="sm90")
+    assert any("does not build for sm_80" in p for p in kernels.problems(config))
+    with pytest.raises(ValueError, match="cannot be built"):
+        kernels.check(config)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_candidate_fits_and_the_default_comes_first(head_dim):
+    candidates, pruned = tune_space.candidate_space(RULES, head_dim, "bf16", "sm_90a")
+    assert not pruned, pruned
+    assert candidates[0].config.tile == resources.default_tile(head_dim)
+    assert {c.config.tile for c in candidates} == set(space.DEFAULT_SPACE[head_dim])
+    for candidate in candidates:
+        assert candidate.config.family == "sm90"
+        assert resources.Resources(candidate.config).shared_memory_bytes <= ARCH_TABLE["sm_90a"].shared_memory
+
+
+@pytest.mark.parametrize("tile,words", [
+    (TileConfig(64, 128, 12, 2), "block_m must be 128"),
+    (TileConfig(128, 128, 8, 2), "warps must be 12"),
+    (TileConfig(128, 120, 12, 2), "multiple of 16"),
+    (TileConfig(128, 128, 12, 1), "stages must be at least 2"),
+    (TileConfig(128, 256, 12, 2), "registers per consumer thread"),
+    (TileConfig(128, 160, 12, 3), "shared memory"),
+])
+def test_tiles_the_hopper_forward_cannot_take_say_why(tile, words):
+    problems = kernels.problems(KernelConfig(128, "bf16", "sm_90a", tile))
+    assert any(words in p for p in problems), problems
+
+
+def test_the_module_carries_sm80s_backward_for_the_same_plan_tile():
+    config = KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 128, 12, 2))
+    assert not kernels.backward_problems(config)
+    wide = KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 160, 12, 2))
+    assert any("multiple of 64" in p for p in kernels.backward_problems(wide))  # a forward-only candidate
+    assert kernels.backward_problems(KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256)))
+
+
+@pytest.mark.parametrize("head_dim,block_n,dtype", [(64, 176, "bf16"), (128, 128, "fp16"), (256, 64, "bf16")])
+def test_rendered_forward_reads_like_the_plan(head_dim, block_n, dtype):
+    config = KernelConfig(head_dim, dtype, "sm_90a", TileConfig(128, block_n, 12, 2))
+    files = codegen.render(RULES, config)
+    forward = files[codegen.source_names(RULES, config)["kernel"]]
+    wgmma = "f16" if dtype == "fp16" else "bf16"
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{wgmma}.{wgmma}" in forward  # S = Q K^T
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{wgmma}.{wgmma}" in forward  # O += P V
+    for text in ("sm90::load_box", "sm90::grow_registers", "TileKind::kFull", "TileKind::kCausal", "TileKind::kPartial",
+                 f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}",
+                 "#include \"" + codegen.source_names(RULES, config)["backward"] + "\""):
+        assert text in forward, text
+    assert "#define" not in forward
+    binding = files[codegen.source_names(RULES, config)["binding"]]
+    assert 'm.attr("THREADS") = 384;' in binding
+
+
+def test_an_sm90_edit_renames_no_sm80_module(monkeypatch):
+    sm80 = KernelConfig(128, "bf16", "sm_80")
+    sm90 = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    before = codegen.module_name(RULES, sm80), codegen.module_name(RULES, sm90)
+    original = codegen.template_files()
+    edited = tuple((n, d + b"\n// edit" if n == "sm90/templates/forward.cu.j2" else d) for n, d in original)
+    monkeypatch.setattr(codegen, "template_files", lambda: edited)
+    assert codegen.module_name(RULES, sm80) == before[0]
+    assert codegen.module_name(RULES, sm90) != before[1]
