@@ -356,14 +356,18 @@ AnyLayout = Union[Layout, LayoutBatch]
 
 
 def as_layout(value: object, name: str = "layout") -> AnyLayout:
-    """Accept a Layout, a LayoutBatch, a layout string, or a list of Layouts."""
+    """Accept a Layout, a LayoutBatch, a layout string, a list of Layouts, or a mask (its layout)."""
     if isinstance(value, (Layout, LayoutBatch)):
         return value
+    inner = getattr(value, "layout", None)  # an omnigen Mask (plan/masks.py) carries the layout it planned
+    if isinstance(inner, (Layout, LayoutBatch)) and hasattr(value, "schedules"):
+        return inner
     if isinstance(value, str):
         return Layout.parse(value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Layout) for v in value):
         return LayoutBatch(value)
-    raise TypeError(f"{name} must be an omnigen.Layout, a LayoutBatch or a string like 'text:40 image:256', "
+    raise TypeError(f"{name} must be an omnigen.Layout, a LayoutBatch, an omnigen.mask(...) or a string like "
+                    "'text:40 image:256', "
                     f"not {type(value).__name__}")
 
 

@@ -2,7 +2,8 @@
 
 `host` is the numpy planner (every machine), `gpu` the fused Triton one (a CUDA device with
 Triton; identical results), `launch` the thin path that launches Triton's compiled kernels with
-less host overhead, `schedule` the `Plan` they both return.
+less host overhead, `schedule` the `Plan` they both return, `masks` the `Mask` (one layout planned
+for several tile shapes in fixed-size tensors: what a call reads without a host sync).
 """
 
 from __future__ import annotations
@@ -85,5 +86,7 @@ def _gpu_planner():
 
 _GPU_PLANNER = False
 
+from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans  # noqa: E402  (uses the two above)
 
-__all__ = ["CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "PARTIAL", "SCHEDULE_KINDS", "Plan", "plan"]
+__all__ = ["CAPACITY_LIMIT", "CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "Mask", "PARTIAL", "SCHEDULE_KINDS", "Plan",
+           "make_mask", "mask_from_plans", "plan"]
