@@ -16,13 +16,8 @@ from ..layout import AnyLayout, LayoutBatch, as_layout
 from ..mask import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
 from ..rules import Rules
 from . import host
+from .planners import _check_block, _gpu_planner
 from .schedule import Plan
-
-
-def _check_block(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
-        raise ValueError(f"{name} must be a positive multiple of 16, not {value!r}")
-    return value
 
 
 def plan(
@@ -71,22 +66,8 @@ def plan(
     )
 
 
-def _gpu_planner():
-    """The Triton planner module, or None where Triton is missing (then the host path runs)."""
-    global _GPU_PLANNER
-    if _GPU_PLANNER is False:
-        try:
-            from . import gpu
 
-            _GPU_PLANNER = gpu if gpu.available() else None
-        except ImportError:
-            _GPU_PLANNER = None
-    return _GPU_PLANNER
-
-
-_GPU_PLANNER = False
-
-from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans  # noqa: E402  (uses the two above)
+from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans
 
 __all__ = ["CAPACITY_LIMIT", "CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "Mask", "PARTIAL", "SCHEDULE_KINDS", "Plan",
            "make_mask", "mask_from_plans", "plan"]

@@ -26,6 +26,7 @@ import torch
 from ..layout import AnyLayout, Layout, LayoutBatch, LayoutTables, as_layout
 from ..rules import Rules
 from . import host
+from .planners import _check_block, _gpu_planner
 from .schedule import Plan
 
 # Schedules of at most this many tiles are kept at full capacity (16 MiB per int32 buffer), as the
@@ -157,8 +158,6 @@ def make_mask(rules: Rules, layout: AnyLayout | str, tiles: Iterable[tuple[int, 
 
     A single Layout with `batch` > 1 is repeated over the batch (a kernel call indexes the tables by
     batch element)."""
-    from . import _check_block, _gpu_planner  # the package imports this module at its end
-
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     layout = as_layout(layout)
