@@ -6,12 +6,14 @@ from .layout import Layout, LayoutBatch, PaddingReport, Segment
 from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Plan, plan
 from .rules import Modality, Rules, RulesError
 from .targets import KernelConfig, KernelSpec, TileConfig
-from .op import Kernel, attention, build
+from .plan import Mask
+from .op import Kernel, attention, build, mask  # `mask` the function shadows the submodule name on purpose
 
 
 __all__ = [
     "__version__",
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
-    "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Modality", "PaddingReport", "Plan", "Rules", "RulesError",
+    "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Mask", "Modality", "PaddingReport", "Plan", "Rules", "RulesError",
+    "mask",
     "Segment", "TileConfig", "plan",
 ]

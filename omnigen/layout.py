@@ -175,6 +175,93 @@ class Layout:
             segments.append(Segment(match.group(1), int(match.group(2)), int(match.group(3) or 0)))
         return cls(segments)
 
+    @classmethod
+    def from_tensors(cls, modality_ids: torch.Tensor, document_ids: torch.Tensor | None = None, *, rules: Rules,
+                     segment_ids: torch.Tensor | None = None) -> "Layout | LayoutBatch":
+        """Layouts from per-token ids: `modality_ids` [S] (a Layout) or [B, S] (a LayoutBatch), integers on
+        any device holding `rules.modality_id(name)` (`rules.pad_id` for pad; `rules.describe_ids()` lists
+        them). `document_ids` (same shape, >= 0, non-decreasing along each row; default all 0) cut
+        documents. A segment is a maximal run of one modality in one document; two images side by side
+        need `segment_ids` (same shape, any integers, a new value where a new segment starts).
+
+        Vectorised: a Python loop per batch element, none per token or segment. ValueError/TypeError name
+        the first offending position."""
+        if not isinstance(rules, Rules):
+            raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+        ids = _token_array(modality_ids, "modality_ids")
+        shape = ids.shape
+        docs = None if document_ids is None else _token_array(document_ids, "document_ids", shape)
+        segs = None if segment_ids is None else _token_array(segment_ids, "segment_ids", shape)
+        rows = ids.reshape(-1, shape[-1])
+        bad = (rows < 0) | (rows > rules.pad_id)
+        if bad.any():
+            at = _first(bad)
+            raise ValueError(f"modality_ids{_where(at, len(shape))} = {rows[at]} is not a modality id of the rules "
+                             f"'{rules.name}' ({rules.describe_ids()})")
+        doc_rows = None
+        if docs is not None:
+            doc_rows = docs.reshape(rows.shape)
+            if (doc_rows < 0).any():
+                at = _first(doc_rows < 0)
+                raise ValueError(f"document_ids{_where(at, len(shape))} = {doc_rows[at]}: document ids must be >= 0")
+            falling = doc_rows[:, 1:] < doc_rows[:, :-1]
+            if falling.any():
+                b, s = _first(falling)
+                raise ValueError(
+                    f"document_ids{_where((b, s + 1), len(shape))} = {doc_rows[b, s + 1]} after {doc_rows[b, s]}: "
+                    "document ids must not decrease along the sequence"
+                )
+        if rows.shape[1] > MAX_SEQ_LEN:
+            raise ValueError(f"a layout may have at most {MAX_SEQ_LEN} tokens, these have {rows.shape[1]}")
+        cut = rows[:, 1:] != rows[:, :-1]
+        if doc_rows is not None:
+            cut |= doc_rows[:, 1:] != doc_rows[:, :-1]
+        if segs is not None:
+            seg_rows = segs.reshape(rows.shape)
+            cut |= seg_rows[:, 1:] != seg_rows[:, :-1]
+        names = np.array(rules.modality_names + (PAD,), dtype=object)
+        made = []
+        length = rows.shape[1]
+        for b in range(rows.shape[0]):
+            starts = np.flatnonzero(cut[b]) + 1
+            starts = np.concatenate(([0], starts))
+            lengths = np.diff(np.append(starts, length))
+            seg_docs = doc_rows[b, starts].tolist() if doc_rows is not None else [0] * len(starts)
+            made.append(_trusted_layout(names[rows[b, starts]].tolist(), lengths.tolist(), seg_docs, length))
+        return made[0] if len(shape) == 1 else LayoutBatch(made)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, *, rules: Rules, modality: str = "text",
+                        seq_len: int | None = None) -> "Layout":
+        """One packed sequence of documents, FlashAttention's varlen convention: document i holds tokens
+        [cu_seqlens[i], cu_seqlens[i + 1]) (cu_seqlens int [n + 1], from 0, strictly increasing) as one
+        `modality` segment with document id i. `seq_len` > cu_seqlens[-1] pads the end."""
+        if not isinstance(rules, Rules):
+            raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+        rules.modality_id(modality)  # a ValueError naming the rules' modalities
+        cu = _token_array(cu_seqlens, "cu_seqlens")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be 1-dimensional with at least 2 entries [0, ..., total], "
+                             f"got shape {tuple(cu.shape)}")
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens[0] = {cu[0]}: it must be 0 (the first document starts the sequence)")
+        lengths = np.diff(cu)
+        if (lengths <= 0).any():
+            i = int(np.flatnonzero(lengths <= 0)[0]) + 1
+            raise ValueError(f"cu_seqlens[{i}] = {cu[i]} is not greater than cu_seqlens[{i - 1}] = {cu[i - 1]}: "
+                             "offsets must increase (every document has at least one token)")
+        total = int(cu[-1])
+        if total > MAX_SEQ_LEN:
+            raise ValueError(f"a layout may have at most {MAX_SEQ_LEN} tokens, cu_seqlens holds {total}")
+        n = lengths.shape[0]
+        names, sizes, docs = [modality] * n, lengths.tolist(), list(range(n))
+        if seq_len is not None:
+            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < total:
+                raise ValueError(f"seq_len must be an integer >= cu_seqlens[-1] = {total}, not {seq_len!r}")
+            if seq_len > total:
+                names, sizes, docs = names + [PAD], sizes + [seq_len - total], docs + [n - 1]
+        return _trusted_layout(names, sizes, docs, sum(sizes))
+
     @staticmethod
     def batch(layouts: Iterable["Layout"]) -> "LayoutBatch":
         return LayoutBatch(layouts)
@@ -356,15 +443,55 @@ AnyLayout = Union[Layout, LayoutBatch]
 
 
 def as_layout(value: object, name: str = "layout") -> AnyLayout:
-    """Accept a Layout, a LayoutBatch, a layout string, or a list of Layouts."""
+    """Accept a Layout, a LayoutBatch, a layout string, a list of Layouts, or a mask (its layout)."""
     if isinstance(value, (Layout, LayoutBatch)):
         return value
+    inner = getattr(value, "layout", None)  # an omnigen Mask (plan/masks.py) carries the layout it planned
+    if isinstance(inner, (Layout, LayoutBatch)) and hasattr(value, "schedules"):
+        return inner
     if isinstance(value, str):
         return Layout.parse(value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Layout) for v in value):
         return LayoutBatch(value)
-    raise TypeError(f"{name} must be an omnigen.Layout, a LayoutBatch or a string like 'text:40 image:256', "
+    raise TypeError(f"{name} must be an omnigen.Layout, a LayoutBatch, an omnigen.mask(...) or a string like "
+                    "'text:40 image:256', "
                     f"not {type(value).__name__}")
+
+
+def _token_array(value: object, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """An integer tensor (any device) as an int64 numpy array: [S] or [B, S], or exactly `shape`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor, not {type(value).__name__}")
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        raise TypeError(f"{name} must hold integers, not {value.dtype}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, but modality_ids has shape {shape}")
+    if value.dim() not in (1, 2) or value.shape[-1] < 1 or (value.dim() == 2 and value.shape[0] < 1):
+        raise ValueError(f"{name} must have shape [S] or [B, S] with S >= 1, got {tuple(value.shape)}")
+    return value.detach().to("cpu", torch.int64).numpy()
+
+
+def _first(bad: np.ndarray) -> tuple[int, int]:
+    """(row, column) of the first True of a 2-d array, in row-major order."""
+    return tuple(int(x) for x in np.unravel_index(int(np.argmax(bad)), bad.shape))  # type: ignore[return-value]
+
+
+def _where(at: tuple[int, int], dims: int) -> str:
+    return f"[{at[1]}]" if dims == 1 else f"[{at[0]}, {at[1]}]"
+
+
+_NEW_SEGMENT = functools.partial(tuple.__new__, Segment)
+
+
+def _trusted_layout(names: list[str], lengths: list[int], docs: list[int], seq_len: int) -> "Layout":
+    """A Layout from columns already checked (ids in the rules, lengths >= 1, documents non-decreasing):
+    Segment tuples made in C (map over zip), no per-segment Python code."""
+    layout = Layout.__new__(Layout)
+    layout.segments = tuple(map(_NEW_SEGMENT, zip(names, lengths, docs)))
+    layout._tables = {}
+    layout._seq_len = seq_len
+    layout._modalities = frozenset(names)
+    return layout
 
 
 def _unreadable(word: str) -> str:

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -22,6 +23,15 @@ from .mask import dense_mask
 from .targets import ARCHS, DTYPES, HEAD_DIMS, KernelSpec, TileConfig
 
 PAD = "pad"
+_BY_KEY: "weakref.WeakValueDictionary[str, Rules]" = weakref.WeakValueDictionary()  # Rules.key -> a live Rules
+
+
+def rules_for_key(key: str) -> "Rules":
+    """The live Rules whose `key` this is (KeyError when none is alive in this process)."""
+    found = _BY_KEY.get(key)
+    if found is None:
+        raise KeyError(f"no omnigen.Rules with key {key!r} in this process")
+    return found
 SELF_POLICIES = ("causal", "full")
 SEE_POLICIES = ("earlier", "none", "all")
 DOCUMENT_POLICIES = ("isolated", "shared")
@@ -284,6 +294,18 @@ class Rules:
             object.__setattr__(self, "_without_kernel", stripped)
         return stripped
 
+    @property
+    def key(self) -> str:
+        """This rule set's identity in one process: name and content without the `kernel:` section (what a
+        compiled variant depends on). `rules_for_key(rules.key)` finds it again (the custom op passes
+        rules across its boundary as this string)."""
+        cached = self.__dict__.get("_key")
+        if cached is None:
+            cached = f"{self.name}-{self.without_kernel().content_hash()}"
+            object.__setattr__(self, "_key", cached)
+        _BY_KEY.setdefault(cached, self)
+        return cached
+
     def mask_hash(self, length: int = 16) -> str:
         """Hash of what decides the mask only (no `kernel:` section, no name)."""
         cached = self.__dict__.get("_mask_hash")
@@ -323,6 +345,17 @@ class Rules:
         known = ", ".join(self.modality_names + (PAD,))
         raise ValueError(f"modality '{name}' is not in the rules '{self.name}' (known: {known}){hint}")
 
+    def modality_name(self, modality_id: int) -> str:
+        """The name of a modality id (`pad_id` is 'pad'): the inverse of `modality_id`."""
+        if isinstance(modality_id, bool) or not isinstance(modality_id, int) or not 0 <= modality_id <= self.pad_id:
+            raise ValueError(f"modality id must be an integer in [0, {self.pad_id}] for the rules '{self.name}' "
+                             f"({self.describe_ids()}), not {modality_id!r}")
+        return PAD if modality_id == self.pad_id else self.modalities[modality_id].name
+
+    def describe_ids(self) -> str:
+        """'audio=0, image=1, text=2, pad=3': the ids token-level layouts use."""
+        return ", ".join(f"{name}={index}" for index, name in enumerate(self.modality_names + (PAD,)))
+
     def see_policy(self, query: str, key: str) -> str:
         for pair, policy in self.see:
             if pair == (query, key):
@@ -344,7 +377,9 @@ class Rules:
 
     def dense_mask(self, layout: Any, device: Any = None) -> Any:
         """torch.bool [S, S] for a Layout ([B, S, S] for a LayoutBatch): every allowed (query, key) pair.
-        O(S^2) memory: for tests, plots and the SDPA peer, never for the kernels."""
+        O(S^2) memory: for tests, plots and the SDPA peer, never for the kernels. A mask stands for its layout."""
+        if hasattr(layout, "schedules") and hasattr(layout, "layout"):  # an omnigen mask (plan/masks.py)
+            layout = layout.layout
         return dense_mask(self, layout, device=device)
 
     def __str__(self) -> str:

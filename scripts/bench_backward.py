@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rules", choices=("transfusion", "causal"), nargs="+", default=["transfusion", "causal"])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--family", default=None, help="kernel family (default: the GPU arch's own), e.g. sm80")
     args = parser.parse_args()
 
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF':>7} {'bwd TF':>7} {'f+b TF':>7}")
@@ -51,7 +52,7 @@ def main() -> None:
                 flops = 4.0 * dim * pairs * args.heads
                 q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0)
                 for tile in args.tiles:
-                    kernel = omnigen.build(rules, dim, torch.bfloat16, tile=tile)
+                    kernel = omnigen.build(rules, dim, torch.bfloat16, tile=tile, family=args.family)
                     forward_ms = bench(lambda: kernel(q, k, v, layout))
                     both_ms = bench(lambda: torch.autograd.grad(kernel(q, k, v, layout), (q, k, v), d_o))
                     backward_ms = both_ms - forward_ms

@@ -20,6 +20,7 @@ from omnigen.plan import gpu as plan_gpu
 from strategies import layouts, rules
 
 plan_module = importlib.import_module("omnigen.plan.host")
+planners = importlib.import_module("omnigen.plan.planners")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 SCHEDULE = ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q")
@@ -84,7 +85,7 @@ def test_available_needs_triton_and_cuda():
 
 @pytest.mark.gpu
 def test_plan_uses_the_fused_planner():
-    assert plan_module._gpu_planner() is plan_gpu
+    assert planners._gpu_planner() is plan_gpu
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""The `omnigen` click group and its error handling. Commands live in mask.py (show, plan) and build.py
-(build, inspect, cache); the package registers them.
+"""The `omnigen` click group and its error handling. Commands live in mask.py (show, plan), build.py
+(build, inspect, cache) and bench.py (bench); the package registers them.
 
 Every user error (bad rules file, bad layout, missing toolchain, ...) becomes one paragraph on
 stderr and exit code 2 -- never a traceback. Set OMNIGEN_DEBUG=1 to see the traceback anyway.
@@ -60,6 +60,7 @@ def cli() -> None:
       omnigen show  --rules rules.yaml --layout "text:40 image:256 text:24@1"
       omnigen plan  --rules rules.yaml --layout "text:40 image:256 text:24@1"
       omnigen build --rules rules.yaml --tune
+      omnigen bench --rules rules.yaml --dims 128 --sizes 8192,16384
 
     Layouts are written modality:length[@document], e.g. "text:40 image:256 text:24@1".
     """

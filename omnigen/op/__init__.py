@@ -3,8 +3,13 @@
     kernel = omnigen.build(rules, head_dim=128, dtype=torch.bfloat16)
     out = kernel(q, k, v, layout)                        # q [B, Hq, S, D], k/v [B, Hkv, S, D]
     out = omnigen.attention(q, k, v, layout, rules)      # builds on first use, cached in-process
+    mask = omnigen.mask(rules, layout, device="cuda")    # once per batch; then no host sync per call
+    out = omnigen.attention(q, k, v, mask)
+
+`library` defines the torch.library ops (`torch.ops.omnigen.attention`, `.attention_backward`),
+`autograd` registers the backward, `checks` the argument checks, `kernel` the user-facing functions.
 """
 
-from .kernel import Kernel, attention, build, forget_kernels
+from .kernel import Kernel, attention, build, candidate_tile_shapes, forget_kernels, kernel_for, mask
 
-__all__ = ["Kernel", "attention", "build", "forget_kernels"]
+__all__ = ["Kernel", "attention", "build", "candidate_tile_shapes", "forget_kernels", "kernel_for", "mask"]

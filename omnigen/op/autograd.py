@@ -1,5 +1,11 @@
-"""The autograd function behind `Kernel.__call__`: one plan serves the forward and, when the tuner picked
-the same tile shape, the backward."""
+"""The backward of `omnigen::attention`, registered with `torch.library.register_autograd`.
+
+The forward op's inputs already hold everything the backward needs: the mask's schedules for every tile
+shape (the backward runs its own tuned tile shape, which may differ from the forward's) and the token
+tables. The backward saves q, k, v, out and lse (none of them tile-specific) and calls
+`omnigen::attention_backward`, itself an op, so `torch.compile` (AOTAutograd) sees the backward as one
+node too and eager and compiled gradients come from the same kernels.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +13,33 @@ from typing import Any
 
 import torch
 
-from ..kernels import family_of
-from ..plan import Plan
+from .library import attention_backward_op, attention_op
+
+# inputs of omnigen::attention, in order (the backward returns one gradient per input)
+_INPUTS = ("q", "k", "v", "schedules", "tiles", "token_segment", "token_modality", "token_doc", "kernel", "scale",
+           "deterministic")
 
 
 def has_backward(module: Any) -> bool:
     return bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward")))
 
 
-class Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, kernel: Any, layout: Any, choice: Any, p: Plan, scale: float, deterministic: bool):
-        out, lse = family_of(choice.forward).forward(kernel.module_for(choice.forward), p, q, k, v, scale)
-        # The backward needs only q, k, v, out and lse (not tile-specific), plus the layout to plan for
-        # its own tile shape when the tuner gave it a different one.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.layout, ctx.choice, ctx.plan = kernel, layout, choice, p
-        ctx.scale, ctx.deterministic = scale, deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, token_segment, token_modality, token_doc, *schedules)
+    ctx.tiles, ctx.kernel, ctx.scale, ctx.deterministic = list(tiles), kernel, scale, deterministic
+    ctx.mark_non_differentiable(lse)
 
-    @staticmethod
-    def backward(ctx, d_out, _d_lse):
-        kernel = ctx.kernel
-        config = ctx.choice.backward
-        module = kernel.module_for(config)
-        if not has_backward(module):
-            raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
-                               f"{getattr(module, 'BACKWARD_PROBLEM', None) or 'rebuild with a newer omnigen'}")
-        q, k, v, out, lse = ctx.saved_tensors
-        p: Plan = ctx.plan
-        if (p.block_m, p.block_n) != (config.tile.block_m, config.tile.block_n):
-            p = kernel.plan(ctx.layout, q.shape[0], q.device, config.tile)
-        dq, dk, dv = family_of(config).backward(module, p, q, k, v, out, lse, d_out, ctx.scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+
+def _backward(ctx, d_out, _d_lse):
+    q, k, v, out, lse, token_segment, token_modality, token_doc, *schedules = ctx.saved_tensors
+    if d_out is None:  # pragma: no cover - autograd materialises zeros by default
+        d_out = torch.zeros_like(out)
+    dq, dk, dv = attention_backward_op(d_out, q, k, v, out, lse, schedules, ctx.tiles, token_segment, token_modality,
+                                       token_doc, ctx.kernel, ctx.scale, ctx.deterministic)
+    # one gradient per input, lists as lists: q, k, v, then none for the schedules and the rest
+    return (dq, dk, dv, [None] * len(schedules)) + (None,) * (len(_INPUTS) - 4)
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)

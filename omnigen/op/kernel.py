@@ -1,11 +1,15 @@
-"""`Kernel`, `build` and `attention`: the user-facing op around the built variant modules.
+"""`Kernel`, `build`, `attention` and `mask`: the user-facing op around the built variant modules.
 
     kernel = omnigen.build(rules, head_dim=128, dtype=torch.bfloat16)
     out = kernel(q, k, v, layout)                        # q [B, Hq, S, D], k/v [B, Hkv, S, D]
     out = omnigen.attention(q, k, v, layout, rules)      # builds on first use, cached in-process
+    mask = omnigen.mask(rules, layout, device="cuda")    # plan once per batch, for every tile it may run
+    out = omnigen.attention(q, k, v, mask)               # no host sync; torch.compile / CUDA-graph ready
 
-The layout is planned on the GPU once per call (or taken from a small cache when the same layout
-comes back) and the same plan serves the forward and the backward pass.
+Every call ends in the custom op `omnigen::attention` (op/library.py) with the mask's tensors. A plain
+layout is first planned (on the GPU, one host sync; the result is kept in a small cache while the same
+layout comes back) into a mask of exactly the tile shapes the kernel runs; under `torch.compile` that
+step is a graph break (`fullgraph=True` needs a mask made outside the compiled function).
 """
 
 from __future__ import annotations
@@ -18,16 +22,39 @@ import torch
 
 from ..jit import cache, toolchain
 from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check
-from ..layout import AnyLayout, Layout, LayoutBatch
-from ..plan import Plan, plan
-from ..rules import Rules
+from ..layout import AnyLayout, Layout, LayoutBatch, as_layout
+from ..plan import Mask, Plan, make_mask, mask_from_plans, plan
+from ..rules import Rules, rules_for_key
 from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
-from .autograd import Attention, has_backward
-from .checks import check_inputs
+from . import autograd  # noqa: F401  (registers the op's backward)
+from . import library
+from .autograd import has_backward
+from .checks import check_layout_against, check_mask, check_tensors
 
 _PLAN_CACHE_SIZE = 16
+
+
+def _disable(fn, reason: str):
+    """torch.compiler.disable with a reason where this torch takes one (the message fullgraph=True prints)."""
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # pragma: no cover - torch without `reason`
+        return torch.compiler.disable(fn)
+
+
+_PLANNING_REASON = ("omnigen plans a plain layout on the host (a host sync): pass a mask made outside the "
+                    "compiled function, omnigen.mask(rules, layout, device) or kernel.mask(layout), to compile "
+                    "with fullgraph=True")
+
+
+def _call_op(q, k, v, mask: Mask, kernel_key: str, scale: float, deterministic: bool, return_lse: bool):
+    out, lse = torch.ops.omnigen.attention(
+        q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality, mask.token_doc,
+        kernel_key, scale, bool(deterministic),
+    )
+    return (out, lse) if return_lse else out
 
 
 class Kernel:
@@ -52,6 +79,9 @@ class Kernel:
         self._lock = threading.Lock()
         self._module_lock = threading.Lock()
         self.tuning_generation = tune_db.generation()  # the database as this kernel read it
+        self.rules_key = rules.key
+        self._masks: OrderedDict[tuple, Mask] = OrderedDict()
+        self.key = library.register_kernel(self, getattr(module, "MODULE_NAME", "kernel"))  # the op's handle
 
     @property
     def has_backward(self) -> bool:
@@ -97,22 +127,68 @@ class Kernel:
                 self._plans.popitem(last=False)
         return made
 
+    def tile_shapes(self, seq_len: int) -> list[tuple[int, int]]:
+        """The (block_m, block_n) shapes a call of this sequence length runs: forward's, then backward's."""
+        choice = self.choice(seq_len)
+        shapes = [(c.tile.block_m, c.tile.block_n) for c in (choice.forward, choice.backward)]
+        return list(dict.fromkeys(shapes))
+
+    def mask(self, layout: AnyLayout | str, *, device: torch.device | str | None = None,
+             batch: int | None = None) -> Mask:
+        """A mask for exactly the tile shapes this kernel runs on `layout` (device: the current CUDA one)."""
+        layout = as_layout(layout)
+        check_layout_against(layout, self.rules, batch or layout.batch_size, layout.seq_len)
+        device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        return make_mask(self.rules, layout, self.tile_shapes(layout.seq_len), device, batch)
+
+    def _mask_for_layout(self, layout: AnyLayout, batch: int, device: torch.device) -> Mask:
+        """A plain layout planned for this call's tile shapes (eager; kept while the same layout returns)."""
+        shapes = tuple(self.tile_shapes(layout.seq_len))
+        key = (layout, batch, device, shapes)
+        with self._lock:
+            found = self._masks.get(key)
+            if found is not None:
+                self._masks.move_to_end(key)
+                return found
+        plans = [self.plan(layout, batch, device, TileConfig(m, n)) for m, n in shapes]
+        made = mask_from_plans(self.rules, _batched(layout, batch), plans)
+        with self._lock:
+            self._masks[key] = made
+            while len(self._masks) > _PLAN_CACHE_SIZE:
+                self._masks.popitem(last=False)
+        return made
+
     def __call__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layout: AnyLayout | str,
+        layout: AnyLayout | Mask | str,
         *,
         scale: float | None = None,
         return_lse: bool = False,
         deterministic: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, layout, scale = check_inputs(self, q, k, v, layout, scale)
-        choice = self.choice(q.shape[2])
-        p = self.plan(layout, q.shape[0], q.device, choice.forward.tile)
-        out, lse = Attention.apply(q, k, v, self, layout, choice, p, scale, deterministic)
-        return (out, lse) if return_lse else out
+        scale = check_tensors(q, k, v, scale, self.dtype, self.config.head_dim)
+        if isinstance(layout, Mask):
+            mask = layout
+        else:
+            mask = _prepare_kernel_layout(self, layout, q)
+        check_mask(mask, q, self.rules_key, self.rules.name)
+        return _call_op(q, k, v, mask, self.key, scale, deterministic, return_lse)
+
+
+def _batched(layout: AnyLayout, batch: int) -> AnyLayout:
+    return LayoutBatch([layout] * batch) if isinstance(layout, Layout) and batch > 1 else layout
+
+
+def _prepare_layout(kernel: Kernel, layout: Any, q: torch.Tensor) -> Mask:
+    layout = as_layout(layout)
+    check_layout_against(layout, kernel.rules, q.shape[0], q.shape[2])
+    return kernel._mask_for_layout(layout, q.shape[0], q.device)
+
+
+_prepare_kernel_layout = _disable(_prepare_layout, _PLANNING_REASON)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,31 +277,128 @@ def _cached_kernel(key: tuple) -> Kernel | None:
     return kernel if kernel is not None and kernel.tuning_generation == tune_db.generation() else None
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout: AnyLayout | str,
-    rules: Rules,
-    *,
-    scale: float | None = None,
-    return_lse: bool = False,
-    deterministic: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention for `rules` over `layout`; builds the variant on first use (cached in-process)."""
-    if not isinstance(rules, Rules):
-        raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError("q must be a 4-dimensional tensor [B, H, S, D]")
-    if q.device.type != "cuda":
-        raise ValueError(f"q is on {q.device}; omnigen kernels run on CUDA tensors")
-    key = (rules.without_kernel(), q.shape[-1], q.dtype, q.device.index)
+def kernel_for(rules: Rules, head_dim: int, dtype: torch.dtype, device: torch.device) -> Kernel:
+    """attention()'s kernel for (rules, head dim, dtype, device): built (or loaded) on first use, then kept."""
+    key = (rules.key, head_dim, dtype, device.index)
     kernel = _cached_kernel(key)
     if kernel is None:
         with _KERNELS_LOCK:
             kernel = _cached_kernel(key)
             if kernel is None:
-                with torch.cuda.device(q.device):
-                    kernel = build(rules, head_dim=q.shape[-1], dtype=q.dtype)
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        kernel = build(rules, head_dim=head_dim, dtype=dtype)
+                else:
+                    kernel = build(rules, head_dim=head_dim, dtype=dtype)
                 _KERNELS[key] = kernel
-    return kernel(q, k, v, layout, scale=scale, return_lse=return_lse, deterministic=deterministic)
+    return kernel
+
+
+def _resolve_rules_key(rules_key: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> Kernel:
+    """The op's "rules:<key>" kernels (library.resolve): the Rules are found by their key."""
+    try:
+        rules = rules_for_key(rules_key)
+    except KeyError:
+        raise ValueError(f"omnigen::attention: the rules {rules_key!r} are not alive in this process") from None
+    return kernel_for(rules, head_dim, dtype, device)
+
+
+library.set_rules_resolver(_resolve_rules_key)
+
+
+def _prepare_rules_layout(rules: Rules, layout: Any, q: torch.Tensor) -> Mask:
+    layout = as_layout(layout)
+    check_layout_against(layout, rules, q.shape[0], q.shape[2])
+    kernel = kernel_for(rules, q.shape[-1], q.dtype, q.device)
+    return kernel._mask_for_layout(layout, q.shape[0], q.device)
+
+
+_prepare_attention_layout = _disable(_prepare_rules_layout, _PLANNING_REASON)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AnyLayout | Mask | str,
+    rules: Rules | None = None,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention for `rules` over `layout` (or over a mask, which carries its rules); builds the
+    variant on first use (cached in-process)."""
+    if isinstance(layout, Mask):
+        if rules is not None and (not isinstance(rules, Rules) or rules.key != layout.rules_key):
+            raise ValueError("the rules given differ from the mask's: pass the mask alone, "
+                             "omnigen.attention(q, k, v, mask)")
+        scale = check_tensors(q, k, v, scale)
+        mask = layout
+        check_mask(mask, q, mask.rules_key, mask.rules.name)
+    else:
+        if not isinstance(rules, Rules):
+            raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}"
+                            if rules is not None else "omnigen.attention needs the rules with a plain layout: "
+                            "attention(q, k, v, layout, rules), or a mask: attention(q, k, v, omnigen.mask(...))")
+        scale = check_tensors(q, k, v, scale)
+        mask = _prepare_attention_layout(rules, layout, q)
+    return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
+
+
+def mask(
+    rules: Rules,
+    layout: AnyLayout | str,
+    device: torch.device | str | None = "cuda",
+    *,
+    batch: int | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    tiles: list[tuple[int, int]] | None = None,
+) -> Mask:
+    """Plan `layout` once (per batch) for every tile shape a kernel for `rules` may run at its length.
+
+    The shapes: `tiles` when given; else, for each head dim (`head_dim`, else the rules' kernel head
+    dims) and dtype (`dtype`, else the rules' kernel dtypes), the default tile and the tuned forward and
+    backward tiles of this GPU's tuning database for the layout's sequence length. With the mask, a call
+    (`omnigen.attention(q, k, v, mask)`, `kernel(q, k, v, mask)`) does no host sync and allocates nothing
+    that depends on the layout. `batch` repeats a single layout over a batch.
+    """
+    if not isinstance(rules, Rules):
+        raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+    layout = as_layout(layout)
+    check_layout_against(layout, rules, batch or layout.batch_size, layout.seq_len)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if tiles is None:
+        tiles = candidate_tile_shapes(rules, layout.seq_len, device, head_dim, dtype)
+    return make_mask(rules, layout, tiles, device, batch)
+
+
+def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head_dim: int | None = None,
+                          dtype: torch.dtype | None = None) -> list[tuple[int, int]]:
+    """The (block_m, block_n) shapes kernels for `rules` may run at `seq_len` on `device` (see `mask`)."""
+    spec = rules.kernel
+    head_dims = [head_dim] if head_dim is not None else list(spec.head_dims if spec else (64, 128))
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+    dtypes = [DTYPE_NAMES[dtype]] if dtype is not None else list(spec.dtypes if spec else ("bf16", "fp16"))
+    arch = toolchain.visible_gpu_arch() if device.type == "cuda" else None
+    shapes: list[tuple[int, int]] = []
+    for d in head_dims:
+        for name in dtypes:
+            configs = []
+            try:
+                configs.append(tune_space.default_config(rules, d, name, arch or "sm_80"))
+            except ValueError:
+                pass
+            if arch is not None:
+                try:
+                    found = tune_db.nearest(tune_db.lookup(tune_db.Device.current(device), rules, name, d, arch), seq_len)
+                except Exception:  # no toolchain, unreadable database: the default tiles only
+                    found = None
+                if found is not None:
+                    configs += [found.forward, found.backward]
+            shapes += [(c.tile.block_m, c.tile.block_n) for c in configs]
+    return list(dict.fromkeys(shapes)) or [(128, 64)]

@@ -2,12 +2,11 @@
 
 `host` is the numpy planner (every machine), `gpu` the fused Triton one (a CUDA device with
 Triton; identical results), `launch` the thin path that launches Triton's compiled kernels with
-less host overhead, `schedule` the `Plan` they both return.
+less host overhead, `schedule` the `Plan` they both return, `masks` the `Mask` (one layout planned
+for several tile shapes in fixed-size tensors: what a call reads without a host sync).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -15,13 +14,8 @@ from ..layout import AnyLayout, LayoutBatch, as_layout
 from ..mask import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
 from ..rules import Rules
 from . import host
+from .planners import _check_block, _gpu_planner
 from .schedule import Plan
-
-
-def _check_block(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
-        raise ValueError(f"{name} must be a positive multiple of 16, not {value!r}")
-    return value
 
 
 def plan(
@@ -70,20 +64,8 @@ def plan(
     )
 
 
-def _gpu_planner():
-    """The Triton planner module, or None where Triton is missing (then the host path runs)."""
-    global _GPU_PLANNER
-    if _GPU_PLANNER is False:
-        try:
-            from . import gpu
 
-            _GPU_PLANNER = gpu if gpu.available() else None
-        except ImportError:
-            _GPU_PLANNER = None
-    return _GPU_PLANNER
+from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans
 
-
-_GPU_PLANNER = False
-
-
-__all__ = ["CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "PARTIAL", "SCHEDULE_KINDS", "Plan", "plan"]
+__all__ = ["CAPACITY_LIMIT", "CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "Mask", "PARTIAL", "SCHEDULE_KINDS", "Plan",
+           "make_mask", "mask_from_plans", "plan"]

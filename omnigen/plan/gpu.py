@@ -152,15 +152,20 @@ def _scratch_layout(B: int, S: int, nseg: int, n_mod: int, block_m: int, block_n
 
 
 def classify_and_schedule(
-    rules: Rules, tables: LayoutTables, block_m: int, block_n: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q, allowed_pairs), equal to the CPU path's, on the tables' device."""
+    rules: Rules, tables: LayoutTables, block_m: int, block_n: int, exact: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | torch.Tensor]:
+    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q, allowed_pairs), equal to the CPU path's, on the tables' device.
+
+    `exact=False` (what `omnigen.mask` asks for): where the schedules fit the inline buffers, return
+    them uncut -- fwd_kv and bwd_q of B * nq * nk entries, of which the first `total` are the
+    schedule -- and, instead of the pair count, the int64 tensor [total, allowed pairs] on the
+    device: no host sync at all. Elsewhere the result is the exact one (and the call syncs)."""
     if triton is None:
         raise RuntimeError("the GPU planner needs Triton")
     device = tables.device
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device
-            return classify_and_schedule(rules, tables, block_m, block_n)
+            return classify_and_schedule(rules, tables, block_m, block_n, exact)
     rule_table, has_window = _rule_table(rules, device)
     B, S = tables.batch_size, tables.seq_len
     nseg = tables.num_segments
@@ -184,6 +189,8 @@ def classify_and_schedule(
         _SCHEDULE((R + C, 1, 1), args + (work,), (block, GROUP, True), 4, direct)
         # views made while the GPU works; only the cut to the tile count waits for the sync
         _, fwd_ptr, bwd_ptr, _, fwd_kv, bwd_q, _ = out32.split_with_sizes(lay.pieces)
+        if not exact:
+            return fwd_ptr, fwd_kv, bwd_ptr, bwd_q, work[:2]
         total, allowed = work[:2].tolist()  # the one host sync
         return fwd_ptr, fwd_kv[:total], bwd_ptr, bwd_q[:total], allowed
     _SCAN((1, 1, 1), args, (1024, GROUP), 4, direct)

@@ -90,7 +90,7 @@ class Resources:
         if t.block_n % 16 or not 16 <= t.block_n <= 256:
             out.append(f"block_n must be a multiple of 16 from 16 to 256 (wgmma N, TMA box rows), not {t.block_n}")
         if t.stages < 2:
-            out.append(f"stages must be at least 2 (the producer fills one while the consumers read another)")
+            out.append("stages must be at least 2 (the producer fills one while the consumers read another)")
         registers = t.block_n // 2 + c.head_dim // 2 + t.block_n // 4
         if registers > MAX_TILE_REGISTERS:
             out.append(f"block_n {t.block_n} with head_dim {c.head_dim} needs {registers} registers per consumer thread "

@@ -1,0 +1,281 @@
+"""Train a small Transfusion-style transformer with omnigen, then with FlexAttention, from the same seed.
+
+The model: 4 layers, d_model 512, 8 heads of 64, text tokens (next-token cross-entropy) and continuous
+image patches (denoising: noisy patches in, clean patches out, MSE) in one sequence under the
+Transfusion mask (text causal, each image bidirectional inside itself, every token sees the earlier
+segments of its sequence). The data is synthetic and made here: every sequence has a topic; its text
+is drawn from the topic's words and its images are the topic's prototype plus noise, so the images can
+only be denoised well by attending to earlier text.
+
+Both runs see the same batches (the same seed) and start from the same weights; both use
+torch.compile(fullgraph=True) and bf16 autocast, and both make their mask per batch inside the timed
+loop (omnigen: `kernel.mask(layout)`; FlexAttention: `create_block_mask`). Per-token modality ids
+become layouts with `omnigen.Layout.from_tensors`.
+
+Writes a PNG of both loss curves and a JSON summary, and prints tokens/s for each. Needs a CUDA GPU.
+
+    PYTHONPATH=. python examples/train_transfusion.py --steps 300 --out train-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import omnigen  # noqa: E402
+from omnigen.bench import rules_mask_mod  # noqa: E402
+
+RULES = omnigen.Rules.load(Path(__file__).resolve().parent / "rules" / "transfusion.yaml")
+TEXT, IMAGE = RULES.modality_id("text"), RULES.modality_id("image")
+VOCAB, WORD, WORDS, TOPICS, PATCH, IMAGE_TOKENS = 256, 4, 64, 8, 32, 256
+
+
+# ------------------------------------------------------------------------------------------------
+# synthetic data
+
+
+class Data:
+    """Batches of (modality ids, text tokens, clean and noisy patches), seeded; text runs of 64-512
+    tokens between images of 256 patches."""
+
+    def __init__(self, batch: int, seq_len: int, seed: int, device: torch.device):
+        self.B, self.S, self.device = batch, seq_len, device
+        self.gen = torch.Generator().manual_seed(seed)
+        fixed = torch.Generator().manual_seed(1234)  # the "language": the same for every run
+        self.words = torch.randint(0, VOCAB, (WORDS, WORD), generator=fixed)
+        self.topic_words = torch.stack([torch.randperm(WORDS, generator=fixed)[:16] for _ in range(TOPICS)])
+        self.prototypes = torch.randn(TOPICS, PATCH, generator=fixed)
+        self.position_pattern = 0.5 * torch.randn(IMAGE_TOKENS, PATCH, generator=fixed)
+
+    def next(self):
+        B, S, g = self.B, self.S, self.gen
+        modality = torch.empty(B, S, dtype=torch.int64)
+        image_pos = torch.zeros(B, S, dtype=torch.int64)
+        for b in range(B):  # a handful of segments per row
+            at, text = 0, True
+            while at < S:
+                n = int(torch.randint(64, 513, (1,), generator=g)) if text else IMAGE_TOKENS
+                n = min(n, S - at)
+                modality[b, at:at + n] = TEXT if text else IMAGE
+                if not text:
+                    image_pos[b, at:at + n] = torch.arange(n)
+                at, text = at + n, not text
+        topic = torch.randint(0, TOPICS, (B,), generator=g)
+        choice = torch.randint(0, 16, (B, S // WORD + 1), generator=g)
+        word_ids = self.topic_words[topic[:, None], choice]  # [B, S / WORD]
+        tokens = self.words[word_ids].reshape(B, -1)[:, :S]
+        clean = self.prototypes[topic][:, None, :] + self.position_pattern[image_pos]
+        sigma = torch.rand(B, 1, 1, generator=g) * 0.8 + 0.2
+        noisy = clean + sigma * torch.randn(B, S, PATCH, generator=g)
+        d = self.device
+        return (modality, tokens.to(d, non_blocking=True), clean.to(d, non_blocking=True),
+                noisy.to(d, non_blocking=True), modality.to(d, non_blocking=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# the model
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d, bias=False)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x, attend, mask):
+        B, S, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, S, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = attend(q, k, v, mask)  # [B, H, S, D]
+        x = x + self.proj(a.transpose(1, 2).reshape(B, S, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transfusion(torch.nn.Module):
+    def __init__(self, attend, seq_len: int, d: int = 512, layers: int = 4, heads: int = 8):
+        super().__init__()
+        self.attend = attend
+        self.embed = torch.nn.Embedding(VOCAB, d)
+        self.patch_in = torch.nn.Linear(PATCH, d)
+        self.pos = torch.nn.Parameter(0.02 * torch.randn(seq_len, d))
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, VOCAB, bias=False)
+        self.patch_out = torch.nn.Linear(d, PATCH)
+
+    def forward(self, tokens, clean, noisy, modality, mask):
+        is_image = (modality == IMAGE)[..., None]
+        x = torch.where(is_image, self.patch_in(noisy), self.embed(tokens)) + self.pos
+        for block in self.blocks:
+            x = block(x, self.attend, mask)
+        h = self.norm(x)
+        # text: predict the next token where the next token is text; images: the clean patch
+        logits = self.lm_head(h[:, :-1]).float()
+        next_is_text = (modality[:, :-1] == TEXT) & (modality[:, 1:] == TEXT)
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none")
+        text_loss = (ce * next_is_text.reshape(-1)).sum() / next_is_text.sum().clamp(min=1)
+        err = (self.patch_out(h).float() - clean).square().mean(-1)
+        image_loss = (err * is_image[..., 0]).sum() / is_image.sum().clamp(min=1)
+        return text_loss + image_loss
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+
+
+def train(name: str, args, device: torch.device) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if name == "omnigen":
+        kernel = omnigen.build(RULES, head_dim=64, dtype=torch.bfloat16)
+
+        def attend(q, k, v, mask):
+            return kernel(q, k, v, mask)
+
+        def make_mask(layout):
+            return kernel.mask(layout)
+    else:
+        def attend(q, k, v, mask):
+            return flex_attention(q, k, v, block_mask=mask)
+
+        def make_mask(layout):
+            tables = layout.tables(RULES, device)
+            return create_block_mask(rules_mask_mod(RULES, tables), args.batch, None, args.seq_len, args.seq_len,
+                                     device=device, _compile=True)  # FlexAttention's fast path for block masks
+
+    torch.manual_seed(args.seed)  # the same initial weights for both runs
+    model = Transfusion(attend, args.seq_len).to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    data = Data(args.batch, args.seq_len, args.seed, device)
+    losses, start, timed_from = [], None, args.warmup
+    first_step = time.perf_counter()
+    for step in range(args.steps):
+        if step == timed_from:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        modality, tokens, clean, noisy, modality_d = data.next()
+        layout = omnigen.Layout.from_tensors(modality, rules=RULES)  # a LayoutBatch of B layouts
+        mask = make_mask(layout)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(tokens, clean, noisy, modality_d, mask)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if step == 0:
+            torch.cuda.synchronize()
+            print(f"{name}: first step (compile{', kernel build' if name == 'omnigen' else ''}) "
+                  f"{time.perf_counter() - first_step:.1f} s", flush=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens_per_s = (args.steps - timed_from) * args.batch * args.seq_len / seconds
+    values = [float(x) for x in torch.stack(losses).cpu()]
+    print(f"{name}: {args.steps} steps, final loss {sum(values[-20:]) / 20:.4f} (mean of the last 20), "
+          f"{tokens_per_s:,.0f} tokens/s over steps {timed_from}-{args.steps} (masks made per batch included)",
+          flush=True)
+    return {"losses": values, "tokens_per_s": tokens_per_s, "seconds": seconds,
+            "total_seconds": time.perf_counter() - first_step}
+
+
+def compare(a: list[float], b: list[float], window: int = 20) -> dict:
+    """How far apart two loss curves are, against how much each one jitters from step to step.
+
+    bf16 noise: the runs start equal and see the same data, so they differ only by rounding (different
+    kernels, different summation orders); that difference grows into a different trajectory, but the
+    smoothed curves must stay within the curves' own step-to-step noise."""
+    def smooth(xs):
+        return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1]) for i in range(len(xs))]
+
+    sa, sb = smooth(a), smooth(b)
+    tail = slice(len(a) // 2, None)
+    gap = max(abs(x - y) for x, y in zip(sa[tail], sb[tail]))
+    jitter = [abs(x - y) for x, y in zip(a[1:], a[:-1])][tail]
+    noise = sum(jitter) / max(1, len(jitter))
+    rel = max(abs(x - y) / max(abs(y), 1e-9) for x, y in zip(sa[tail], sb[tail]))
+    return {"max_smoothed_gap": gap, "max_smoothed_gap_relative": rel, "step_to_step_noise": noise,
+            "within_noise": gap <= max(noise, 0.02 * abs(sb[-1])), "window": window}
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no PNG written", flush=True)
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in results.items():
+        ax.plot(r["losses"], label=f"{name} ({r['tokens_per_s'] / 1e3:,.0f}K tokens/s)", alpha=0.8, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (text cross-entropy + image MSE)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"Transfusion-style model, 4 x 512, {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20, help="steps not timed (compilation, kernel build)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("train-transfusion-out"))
+    parser.add_argument("--only", choices=("omnigen", "flex"), help="run one of the two")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("train_transfusion.py needs a CUDA GPU (omnigen's kernels and FlexAttention run on one); none is visible")
+    if args.steps <= args.warmup:
+        sys.exit(f"--steps ({args.steps}) must be larger than --warmup ({args.warmup})")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device("cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in (args.only,) if args.only else ("omnigen", "flex"):
+        results[name] = train(name, args, device)
+        torch._dynamo.reset()
+    summary = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps,
+               "batch": args.batch, "seq_len": args.seq_len,
+               **{f"{n}_tokens_per_s": round(r["tokens_per_s"]) for n, r in results.items()},
+               **{f"{n}_final_loss": sum(r["losses"][-20:]) / 20 for n, r in results.items()}}
+    if len(results) == 2:
+        summary["comparison"] = compare(results["omnigen"]["losses"], results["flex"]["losses"])
+        summary["speedup_vs_flex"] = round(results["omnigen"]["tokens_per_s"] / results["flex"]["tokens_per_s"], 3)
+        c = summary["comparison"]
+        print(f"loss curves: max gap of the {c['window']}-step means over the second half {c['max_smoothed_gap']:.4f} "
+              f"({100 * c['max_smoothed_gap_relative']:.2f}%), step-to-step noise {c['step_to_step_noise']:.4f}: "
+              f"{'within' if c['within_noise'] else 'NOT within'} noise", flush=True)
+        print(f"tokens/s: omnigen {results['omnigen']['tokens_per_s']:,.0f}, flex {results['flex']['tokens_per_s']:,.0f} "
+              f"({summary['speedup_vs_flex']:.2f}x)", flush=True)
+    (args.out / "train_transfusion.json").write_text(json.dumps({**summary, "losses": {n: r["losses"] for n, r in results.items()}}))
+    png = plot(results, args.out / "train_transfusion.png")
+    if png:
+        print(f"wrote {png}", flush=True)
+    if not all(math.isfinite(r["losses"][-1]) for r in results.values()):
+        sys.exit("a loss is not finite")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""omnigen against its peers on this GPU (DESIGN section 7): what `omnigen bench` and
+`benchmarks/bench_attention.py` both run (one implementation).
+
+For each head dim D and sequence length S (B = tokens // S batch elements, every one its own layout:
+the rules' synthetic layouts of `tune.layouts`, or the user's `--layouts FILE`), in one process:
+
+  omnigen        omnigen.attention with a mask made beforehand (omnigen.mask)
+  flex           torch.compile(flex_attention), block mask built beforehand (create_block_mask)
+  sdpa_dense     SDPA with the dense boolean mask [B, 1, S, S] (memory-efficient backend)
+  cudnn_dense    SDPA with the dense boolean mask on the cuDNN backend (where it accepts one)
+  flash_causal   SDPA flash on the plain causal mask  } a different, cheaper mask: the speed a
+  cudnn_causal   SDPA cuDNN on the plain causal mask  } causal-only kernel reaches
+
+Effective TFLOP/s counts only allowed pairs: forward 4 * D * pairs * Hq / t (pairs summed over the
+batch); forward+backward uses 3.5x the forward FLOPs. Times are CUDA events after warm-up, the median
+of every run, all peers of one shape interleaved round-robin with the L2 flushed before each run
+(`tune.timing.time_round_robin`). A peer that cannot run a shape (not installed, out of memory, a
+backend that refuses the inputs) is skipped with the reason, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .layout import Layout, LayoutBatch
+from .mask import rule_tensors
+from .op import attention, mask as make_mask
+from .rules import Rules
+from .tune import layouts as tune_layouts
+from .tune import timing
+
+PEERS = ("omnigen", "flex", "sdpa_dense", "cudnn_dense", "flash_causal", "cudnn_causal")
+DEFAULT_DIMS = (64, 128)
+DEFAULT_SIZES = (4096, 8192, 16384, 32768)
+DEFAULT_TOKENS = 32768
+DEFAULT_HEADS = 16
+
+
+class NoGPU(RuntimeError):
+    """The benchmark needs a CUDA GPU and there is none."""
+
+
+@dataclass
+class Workload:
+    """One shape: B layouts of S tokens, H heads of dim D."""
+
+    rules: Rules
+    layouts: LayoutBatch
+    dim: int
+    heads: int
+
+    @property
+    def batch(self) -> int:
+        return self.layouts.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.layouts.seq_len
+
+
+@dataclass
+class Result:
+    """Rows (one per workload and peer that ran), what was skipped and why, and where it ran."""
+
+    rows: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"info": self.info, "rows": self.rows, "skipped": self.skipped}, indent=1)
+
+
+def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
+              heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None) -> list[Workload]:
+    """The rules' synthetic layouts per S in `sizes`, or the user's layouts grouped by length bucket."""
+    if layouts:
+        groups = [LayoutBatch(group) for group in tune_layouts.bucket_user_layouts(layouts, tokens).values()]
+    else:
+        groups = [LayoutBatch(tune_layouts.synthetic_batch(rules, S, tokens, seed)) for S in sizes]
+    return [Workload(rules, group, dim, heads) for dim in dims for group in groups]
+
+
+def rules_mask_mod(rules: Rules, tables: Any) -> Callable:
+    """A FlexAttention mask_mod evaluating DESIGN section 1 from the layout's per-token tables."""
+    rt = rule_tensors(rules, tables.token_segment.device)
+    segment, modality, document = tables.token_segment, tables.token_modality, tables.token_doc
+    see, causal, window = rt["see"], rt["causal"], rt["window"]
+    pad = rules.pad_id
+
+    def mask_mod(b, h, q, k):
+        sq, sk = segment[b, q], segment[b, k]
+        mq, mk = modality[b, q], modality[b, k]
+        policy = see[mq, mk]
+        own = torch.where(causal[mq], k <= q, True)
+        other = torch.where(sk < sq, policy >= 1, policy == 2)
+        ok = torch.where(sq == sk, own, other) & (mq != pad) & (mk != pad)
+        if rules.isolated_documents:
+            ok = ok & (document[b, q] == document[b, k])
+        if rules.has_windows:
+            ok = ok & ((window[mq] == 0) | (q - k < window[mq]))
+        return ok
+
+    return mask_mod
+
+
+def random_inputs(B: int, heads: int, S: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and dO: bf16 [B, heads, S, dim], never zeros, from a seeded CUDA generator."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def _flex_missing() -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except ImportError:
+        return f"FlexAttention is not in torch {torch.__version__} (torch.nn.attention.flex_attention, torch >= 2.5)"
+    return None
+
+
+def peers(work: Workload, q, k, v, only: tuple[str, ...] = PEERS) -> tuple[dict[str, tuple[Callable, int]], list[dict]]:
+    """name -> (forward callable, allowed pairs of the mask it computes), and the peers skipped (with why)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F = torch.nn.functional
+    B, S = work.batch, work.seq_len
+    skipped: list[dict] = []
+    out: dict[str, tuple[Callable, int]] = {}
+
+    def skip(name: str, reason: str) -> None:
+        skipped.append({"impl": name, "D": work.dim, "S": S, "B": B, "reason": reason})
+
+    omnigen_mask = make_mask(work.rules, work.layouts, device="cuda", head_dim=work.dim, dtype=q.dtype)
+    pairs = omnigen_mask.allowed_pairs
+    causal_pairs = B * S * (S + 1) // 2
+    if "omnigen" in only:
+        out["omnigen"] = (lambda: attention(q, k, v, omnigen_mask), pairs)
+    if "flex" in only:
+        missing = _flex_missing()
+        if missing:
+            skip("flex", missing)
+        else:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            try:
+                tables = work.layouts.tables(work.rules, "cuda")
+                block_mask = create_block_mask(rules_mask_mod(work.rules, tables), B, None, S, S, device="cuda")
+                flex = torch.compile(flex_attention, dynamic=False)
+                out["flex"] = (lambda: flex(q, k, v, block_mask=block_mask), pairs)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+                skip("flex", _first_line(exc))
+
+    def sdpa_with(backend, **kwargs):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+        return run
+
+    if {"sdpa_dense", "cudnn_dense"} & set(only):
+        dense = None
+        need = B * S * S
+        try:
+            dense = work.rules.dense_mask(work.layouts, device="cuda")[:, None]  # [B, 1, S, S]
+        except torch.cuda.OutOfMemoryError:
+            reason = f"out of memory for the dense mask ({need / 2**30:.1f} GiB of bool, plus the S x S scores)"
+            for name in ("sdpa_dense", "cudnn_dense"):
+                if name in only:
+                    skip(name, reason)
+            torch.cuda.empty_cache()
+        if dense is not None:
+            if "sdpa_dense" in only:
+                out["sdpa_dense"] = (sdpa_with(SDPBackend.EFFICIENT_ATTENTION, attn_mask=dense), pairs)
+            if "cudnn_dense" in only:
+                out["cudnn_dense"] = (sdpa_with(SDPBackend.CUDNN_ATTENTION, attn_mask=dense), pairs)
+    if "flash_causal" in only:
+        out["flash_causal"] = (sdpa_with(SDPBackend.FLASH_ATTENTION, is_causal=True), causal_pairs)
+    if "cudnn_causal" in only:
+        out["cudnn_causal"] = (sdpa_with(SDPBackend.CUDNN_ATTENTION, is_causal=True), causal_pairs)
+    return out, skipped
+
+
+def peak_extra_mib(fn: Callable) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, only: tuple[str, ...] = PEERS,
+            on_step: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict]]:
+    """Rows and skips for one workload: every peer warmed up, then all timed round-robin, forward and
+    forward+backward."""
+    step = on_step or (lambda _label: None)
+    B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
+    q, k, v, d_out = random_inputs(B, H, S, D, seed)
+    try:
+        candidates, skipped = peers(work, q, k, v, only)
+    except torch.cuda.OutOfMemoryError as exc:
+        return [], [{"impl": "all", "D": D, "S": S, "B": B, "reason": f"out of memory: {_first_line(exc)}"}]
+    step("prepared")
+    forwards: dict[str, Callable] = {}
+    both: dict[str, Callable] = {}
+    for name, (forward, _pairs) in candidates.items():
+        def fwd_bwd(forward=forward):
+            return torch.autograd.grad(forward(), (q, k, v), d_out)
+
+        try:
+            forward()  # compiles flex, builds omnigen's kernel; a backend that refuses the inputs raises here
+            fwd_bwd()
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError as exc:
+            skipped.append({"impl": name, "D": D, "S": S, "B": B, "reason": f"out of memory ({_first_line(exc)})"})
+            torch.cuda.empty_cache()
+            continue
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
+            skipped.append({"impl": name, "D": D, "S": S, "B": B, "reason": _first_line(exc)})
+            continue
+        forwards[name], both[name] = forward, fwd_bwd
+    step("warmed up")
+    fwd_times = timing.time_round_robin(forwards, rounds=rounds, reps=reps) if forwards else {}
+    step("forward timed")
+    both_times = timing.time_round_robin(both, rounds=rounds, reps=reps) if both else {}
+    step("forward+backward timed")
+    rows = []
+    for name in forwards:
+        pairs = candidates[name][1]
+        flops = 4.0 * D * pairs * H
+        fwd_ms, both_ms = timing.median(fwd_times[name]), timing.median(both_times[name])
+        rows.append({
+            "rules": work.rules.name, "impl": name, "D": D, "S": S, "B": B, "H": H, "pairs": pairs,
+            "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(both_ms, 4),
+            "fwd_tflops": round(flops / fwd_ms / 1e9, 1), "fwd_bwd_tflops": round(3.5 * flops / both_ms / 1e9, 1),
+            "peak_mib": round(peak_extra_mib(both[name]), 1),
+        })
+    flex = next((r for r in rows if r["impl"] == "flex"), None)
+    for r in rows:
+        if flex:
+            r["fwd_vs_flex"] = round(flex["fwd_ms"] / r["fwd_ms"], 2)
+            r["fwd_bwd_vs_flex"] = round(flex["fwd_bwd_ms"] / r["fwd_bwd_ms"], 2)
+    del q, k, v, d_out, candidates, forwards, both
+    torch.cuda.empty_cache()
+    return rows, skipped
+
+
+STEPS_PER_WORKLOAD = 4
+
+
+def run(rules: Rules, *, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
+        heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None, rounds: int = 6,
+        reps: int = 3, only: tuple[str, ...] = PEERS, on_step: Callable[[str], None] | None = None,
+        on_row: Callable[[dict], None] | None = None) -> Result:
+    """Every workload of the rules against every peer (see the module docstring). Raises NoGPU without CUDA."""
+    if not torch.cuda.is_available():
+        raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape
+    result = Result(info={
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rules": rules.name, "tokens": tokens,
+        "heads": heads, "dtype": "bf16", "seed": seed,
+    })
+    for work in workloads(rules, dims, sizes, tokens, heads, seed, layouts):
+        rows, skipped = measure(work, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step)
+        result.rows += rows
+        result.skipped += skipped
+        for row in rows:
+            if on_row:
+                on_row(row)
+    return result
+
+
+def count_steps(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
+                layouts: list[Layout] | None = None) -> int:
+    """How many on_step calls `run` makes (for a progress bar)."""
+    if layouts:
+        groups = len(tune_layouts.bucket_user_layouts(layouts, tokens))
+    else:
+        groups = len(tuple(sizes))
+    return STEPS_PER_WORKLOAD * groups * len(tuple(dims))
+
+
+COLUMNS = ("rules", "impl", "D", "S", "B", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_flex",
+           "fwd_bwd_vs_flex", "peak_mib")
+
+
+def table(result: Result) -> str:
+    """The rows as a text table, then one line per skipped peer (what and why)."""
+    info = result.info
+    lines = [f"attention, {info.get('dtype', 'bf16')}, H={info.get('heads')}, B*S={info.get('tokens')}, "
+             f"GPU: {info.get('gpu')}, torch {info.get('torch')}"]
+    cells = [[str(r.get(c, "-")) for c in COLUMNS] for r in result.rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(COLUMNS)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
+    if not result.rows:
+        lines.append("(no measurements)")
+    for s in result.skipped:
+        lines.append(f"skipped {s['impl']} at D={s['D']} S={s['S']} B={s['B']}: {s['reason']}")
+    lines.append("effective TFLOP/s count allowed pairs only (causal peers: the causal mask's pairs); "
+                 "fwd+bwd = 3.5x forward FLOPs; x_vs_flex > 1: faster than FlexAttention")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str | Path) -> Path:
+    """Effective TFLOP/s against S, per head dim, forward and forward+backward. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["D"] for r in rows}) or [0]
+    fig, axes = plt.subplots(len(dims), 2, figsize=(12, 4 * len(dims)), squeeze=False)
+    for row_axes, dim in zip(axes, dims):
+        for ax, metric, title in zip(row_axes, ("fwd_tflops", "fwd_bwd_tflops"), ("forward", "forward + backward")):
+            for impl in sorted({r["impl"] for r in rows}):
+                points = sorted((r["S"], r[metric]) for r in rows if r["impl"] == impl and r["D"] == dim and metric in r)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{title}, D={dim}, bf16")
+            ax.set_ylabel("effective TFLOP/s (allowed pairs only)")
+            ax.set_xlabel("sequence length")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+TILE_COST = Rules(
+    name="tile_cost", modalities={"a": "full", "b": "full"}, see={"default": "all", "a -> b": "none"}, documents="shared"
+)
+
+
+def tile_cost(dim: int, S: int, tokens: int, heads: int, seed: int = 0) -> dict:
+    """What a partial tile costs against a full one: the same kernel, grid and number of visited tiles.
+
+    One layout is a single `a` segment (every tile full); the other alternates `a` and `b` every 40
+    tokens with `a -> b: none`, so every tile mixes allowed and masked pairs (every tile partial)."""
+    B = max(1, tokens // S)
+    alternating = [("a" if i % 2 == 0 else "b", 40) for i in range(S // 40)]
+    if S % 40:
+        alternating.append(("a", S % 40))
+    layouts = {
+        "full": LayoutBatch([Layout.from_segments([("a", S)])] * B),
+        "partial": LayoutBatch([Layout.from_segments(alternating)] * B),
+    }
+    q, k, v, d_out = random_inputs(B, heads, S, dim, seed)
+    row: dict = {"D": dim, "S": S, "B": B, "H": heads}
+    functions = {}
+    for name, layout in layouts.items():
+        m = make_mask(TILE_COST, layout, device="cuda", head_dim=dim, dtype=q.dtype)
+        forward = lambda m=m: attention(q, k, v, m)  # noqa: E731
+        functions[f"{name}_fwd"] = forward
+        functions[f"{name}_fwd_bwd"] = lambda forward=forward: torch.autograd.grad(forward(), (q, k, v), d_out)
+    times = timing.time_round_robin(functions)
+    for label, values in times.items():
+        row[f"{label}_ms"] = round(timing.median(values), 4)
+    row["partial_over_full_fwd"] = round(row["partial_fwd_ms"] / row["full_fwd_ms"], 3)
+    row["partial_over_full_fwd_bwd"] = round(row["partial_fwd_bwd_ms"] / row["full_fwd_bwd_ms"], 3)
+    return row
+
+
+__all__ = ["COLUMNS", "NoGPU", "PEERS", "Result", "Workload", "count_steps", "measure", "peers", "plot",
+           "random_inputs", "rules_mask_mod", "run", "table", "tile_cost", "workloads"]

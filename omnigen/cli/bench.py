@@ -1,0 +1,89 @@
+"""`omnigen bench`: the rules against FlexAttention and SDPA on this GPU (the library's omnigen.bench)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .. import bench as library
+from ..rules import Rules
+from ..tune import layouts as tune_layouts
+from .app import UserError, cli, user_errors
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(word) for word in text.replace(",", " ").split())
+    except ValueError:
+        raise UserError(f"{option} must be whole numbers separated by spaces or commas, e.g. {option} 8192,16384") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{option} must list positive whole numbers, got {text!r}")
+    return values
+
+
+@cli.command(name="bench")
+@click.option("--rules", "rules_path", required=True, metavar="FILE", help="Rules file (YAML), e.g. examples/rules/transfusion.yaml.")
+@click.option("--layouts", "layouts_path", metavar="FILE",
+              help="Time these layouts (one per line, modality:length[@document]) instead of the rules' synthetic ones; "
+                   "grouped by length, padded and repeated to B*S = --tokens.")
+@click.option("--dims", default="64,128", show_default=True, metavar="D,...", help="Head dims to time.")
+@click.option("--sizes", default="4096,8192,16384,32768", show_default=True, metavar="S,...",
+              help="Sequence lengths of the synthetic layouts.")
+@click.option("--tokens", default=library.DEFAULT_TOKENS, show_default=True, type=click.IntRange(min=1),
+              help="B * S per measurement.")
+@click.option("--heads", default=library.DEFAULT_HEADS, show_default=True, type=click.IntRange(min=1))
+@click.option("--peers", "peer_list", default=",".join(library.PEERS), show_default=True, metavar="NAME,...",
+              help="Which implementations to time.")
+@click.option("--rounds", default=6, show_default=True, type=click.IntRange(min=1),
+              help="Round-robin rounds per shape (each runs every peer --reps times).")
+@click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "json_path", metavar="FILE", help="Also write the rows and skips as JSON to FILE ('-': stdout).")
+@click.option("--png", "png_path", metavar="FILE", help="Also plot effective TFLOP/s against S to FILE. Needs matplotlib.")
+@user_errors
+def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: str, tokens: int, heads: int,
+                  peer_list: str, rounds: int, reps: int, seed: int, json_path: str | None, png_path: str | None) -> None:
+    """Time omnigen against FlexAttention, SDPA with the dense mask and the causal kernels on this GPU.
+
+    \b
+    Example:
+      omnigen bench --rules examples/rules/transfusion.yaml --dims 128 --sizes 8192,16384 --png bench.png
+
+    Every peer runs in this process on the same inputs; times are medians of CUDA-event timings after
+    warm-up, interleaved round-robin. Effective TFLOP/s count allowed pairs only (DESIGN section 7).
+    A peer that cannot run a shape (FlexAttention missing, the dense mask out of memory, a backend that
+    refuses the inputs) is skipped and listed with the reason.
+    """
+    rules = Rules.load(rules_path)
+    peers = tuple(name.strip() for name in peer_list.split(",") if name.strip())
+    unknown = sorted(set(peers) - set(library.PEERS))
+    if unknown or not peers:
+        raise UserError(f"--peers: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(library.PEERS)}")
+    layouts = None
+    if layouts_path:
+        layouts = tune_layouts.read_layouts_file(layouts_path, rules)
+    dim_list, size_list = _ints(dims, "--dims"), _ints(sizes, "--sizes")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("omnigen bench needs a CUDA GPU to time on, and none is visible here")
+    steps = library.count_steps(rules, dim_list, size_list, tokens, layouts)
+    with click.progressbar(length=steps, label="benchmarking", file=sys.stderr, show_pos=True) as bar:
+        result = library.run(rules, dims=dim_list, sizes=size_list, tokens=tokens, heads=heads, seed=seed,
+                             layouts=layouts, rounds=rounds, reps=reps, only=peers,
+                             on_step=lambda _label: bar.update(1))
+    if json_path == "-":
+        click.echo(result.to_json())
+    else:
+        click.echo(library.table(result))
+        if json_path:
+            with open(json_path, "w") as handle:
+                handle.write(result.to_json())
+            click.echo(f"wrote {json_path}")
+    if png_path:
+        try:
+            library.plot(result.rows, png_path)
+        except ImportError as exc:
+            raise UserError(f"--png: {exc} (pip install matplotlib)") from None
+        click.echo(f"wrote {png_path}", err=json_path == "-")

@@ -1,0 +1,184 @@
+"""The torch.library ops behind `omnigen.attention` and `Kernel.__call__`: `omnigen::attention` and
+`omnigen::attention_backward`.
+
+Only tensors and primitive values cross the op boundary, so `torch.compile` puts each call in its graph
+as one node (it never traces the launch code, which reads raw pointers and the CUDA stream):
+
+    omnigen::attention(q, k, v, schedules, tiles, token_segment, token_modality, token_doc,
+                       kernel, scale, deterministic) -> (out, lse)
+    omnigen::attention_backward(d_out, q, k, v, out, lse, schedules, tiles, token_segment,
+                                token_modality, token_doc, kernel, scale, deterministic) -> (dq, dk, dv)
+
+- `schedules`: a mask's schedules, four tensors per tile shape (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, int32);
+  `tiles`: their (block_m, block_n), flattened. The op runs the tile shapes its kernel picks for the
+  sequence length (the tuned choice, or the default) and finds their schedules in the list.
+- `kernel`: which kernel, as a string: "kernel:<Kernel.key>" (a `Kernel` object of this process) or
+  "rules:<Rules.key>" (what `omnigen.attention` builds on first use for the rules, head dim, dtype and
+  device of q).
+- token tables: int32 [B, S], the layout's segment, modality and document of every token.
+
+`register_fake` gives the output shapes (for FakeTensor tracing), `op/autograd.py` registers the
+backward. The kernels behind the string keys live in in-process registries (`register_kernel`, and the
+resolver `op/kernel.py` installs for "rules:" keys); nothing here imports the layer that makes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..kernels import family_of, kernel_ready
+
+KERNEL_PREFIX = "kernel:"
+RULES_PREFIX = "rules:"
+
+_KERNELS: dict[str, Any] = {}
+_COUNTER = itertools.count()
+_LOCK = threading.Lock()
+# (rules key, head_dim, dtype, device) -> Kernel: installed by op/kernel.py (it builds on first use).
+_rules_resolver: Callable[[str, int, torch.dtype, torch.device], Any] | None = None
+
+
+def register_kernel(kernel: Any, name: str) -> str:
+    """Give a kernel its op key ("kernel:<name>#<n>"), unique in the process."""
+    with _LOCK:
+        key = f"{KERNEL_PREFIX}{name}#{next(_COUNTER)}"
+        _KERNELS[key] = kernel
+    return key
+
+
+def set_rules_resolver(resolver: Callable[[str, int, torch.dtype, torch.device], Any]) -> None:
+    global _rules_resolver
+    _rules_resolver = resolver
+
+
+def resolve(kernel: str, q: torch.Tensor) -> Any:
+    """The Kernel object a key names (for a "rules:" key: the one for q's head dim, dtype and device)."""
+    if kernel.startswith(KERNEL_PREFIX):
+        found = _KERNELS.get(kernel)
+        if found is None:
+            raise ValueError(f"omnigen::attention: no kernel {kernel!r} in this process")
+        return found
+    if kernel.startswith(RULES_PREFIX) and _rules_resolver is not None:
+        return _rules_resolver(kernel[len(RULES_PREFIX):], q.shape[-1], q.dtype, q.device)
+    raise ValueError(f"omnigen::attention: kernel must be 'kernel:<key>' or 'rules:<key>', not {kernel!r}")
+
+
+class TokenTables(NamedTuple):
+    """The per-token tables a launch reads (the attributes of LayoutTables that kernels use)."""
+
+    token_segment: torch.Tensor
+    token_modality: torch.Tensor
+    token_doc: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.token_segment.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.token_segment.shape[1]
+
+
+class Schedules(NamedTuple):
+    """What a kernel family's launch reads of a plan: the attributes of `Plan` that kernels use."""
+
+    block_m: int
+    block_n: int
+    fwd_ptr: torch.Tensor
+    fwd_kv: torch.Tensor
+    bwd_ptr: torch.Tensor
+    bwd_q: torch.Tensor
+    tables: TokenTables
+
+    @property
+    def batch_size(self) -> int:
+        return self.tables.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.tables.seq_len
+
+    @property
+    def num_q_tiles(self) -> int:
+        return -(-self.seq_len // self.block_m)
+
+    @property
+    def num_kv_tiles(self) -> int:
+        return -(-self.seq_len // self.block_n)
+
+    @property
+    def device(self) -> torch.device:
+        return self.fwd_ptr.device
+
+
+def schedules_for(schedules: list[torch.Tensor], tiles: list[int], tables: TokenTables, block_m: int,
+                  block_n: int) -> Schedules:
+    """The schedules of one tile shape out of the op's flat lists; ValueError when the mask lacks it."""
+    for index in range(len(tiles) // 2):
+        if tiles[2 * index] == block_m and tiles[2 * index + 1] == block_n:
+            return Schedules(block_m, block_n, *schedules[4 * index : 4 * index + 4], tables)
+    have = ", ".join(f"{tiles[i]}x{tiles[i + 1]}" for i in range(0, len(tiles), 2)) or "none"
+    raise ValueError(
+        f"the mask has no plan for {block_m}x{block_n} tiles, which this kernel runs at this sequence length "
+        f"(it has {have}); make it with omnigen.mask(rules, layout, device, head_dim=..., dtype=...) for this "
+        "head dim and dtype, or with kernel.mask(layout)"
+    )
+
+
+def _check_lists(schedules: list[torch.Tensor], tiles: list[int]) -> None:
+    if len(schedules) != 2 * len(tiles) or not tiles:
+        raise ValueError(f"omnigen::attention: {len(schedules)} schedule tensors for {len(tiles) // 2} tile shapes "
+                         "(four per shape: fwd_ptr, fwd_kv, bwd_ptr, bwd_q)")
+
+
+@torch.library.custom_op("omnigen::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules: list[torch.Tensor], tiles: list[int],
+    token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor,
+    kernel: str, scale: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_lists(schedules, tiles)
+    found = resolve(kernel, q)
+    config = found.choice(q.shape[2]).forward
+    plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
+                         config.tile.block_m, config.tile.block_n)
+    q, k, v = (kernel_ready(t) for t in (q, k, v))
+    return family_of(config).forward(found.module_for(config), plan, q, k, v, scale)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, deterministic):
+    B, Hq, S, D = q.shape
+    return q.new_empty(B, Hq, S, D), q.new_empty(B, Hq, S, dtype=torch.float32)
+
+
+@torch.library.custom_op("omnigen::attention_backward", mutates_args=())
+def attention_backward_op(
+    d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    schedules: list[torch.Tensor], tiles: list[int],
+    token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor,
+    kernel: str, scale: float, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_lists(schedules, tiles)
+    found = resolve(kernel, q)
+    config = found.choice(q.shape[2]).backward
+    module = found.module_for(config)
+    if not bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))):
+        raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
+                           f"{getattr(module, 'BACKWARD_PROBLEM', None) or 'rebuild with a newer omnigen'}")
+    plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
+                         config.tile.block_m, config.tile.block_n)
+    q, k, v, out, d_out = (kernel_ready(t) for t in (q, k, v, out, d_out))
+    dq, dk, dv = family_of(config).backward(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
+    # Own, contiguous outputs (what the fake says): a family may hand back views or k-shaped strides.
+    return tuple(g if g.is_contiguous() else g.contiguous() for g in (dq, dk, dv))
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(d_out, q, k, v, out, lse, schedules, tiles, token_segment, token_modality, token_doc,
+                             kernel, scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
