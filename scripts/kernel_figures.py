@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for rules_name, config in variants:  # the tuner prunes these before compiling (tune_space.prune)
         if problems(config):
             print(f"skipped {rules_name}:{config.label}: {'; '.join(problems(config))}")
-    variants = [(r, c) for r, c in variants if not problems(config)]
+    variants = [(r, c) for r, c in variants if not problems(c)]
     sass = args.sass or args.preset == "hot"
     with ThreadPoolExecutor(args.jobs) as pool:
         entries = list(pool.map(lambda v: compile_variant(v[0], v[1], sass, args.keep_cubins), variants))
