@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from omnigen.jit import codegen, toolchain  # noqa: E402
-from omnigen.kernels import family_of  # noqa: E402
+from omnigen.kernels import family_of, problems  # noqa: E402
 from omnigen.kernels.sm80.resources import DEFAULT_TILE_D256  # noqa: E402
 from omnigen.kernels.sm80.space import DEFAULT_SPACE  # noqa: E402
 from omnigen.rules import Rules  # noqa: E402
@@ -135,9 +135,10 @@ def compile_variant(rules_name: str, config: KernelConfig, sass: bool, keep: Pat
         for name, figures in report.get("kernels", {}).items():
             short = SHORT_KERNEL.search(name)
             kernels[short.group(1) if short else name] = figures
+        context = family_of(config).render_context(config)  # the family's shared-memory figures, as rendered
         entry = {"rules": rules_name, "label": config.label, "kernels": kernels,
-                 "smem": {"forward_kernel": config.shared_memory_bytes, "dkdv_kernel": config.backward_shared_bytes,
-                          "dq_kernel": config.dq_shared_bytes}}
+                 "smem": {"forward_kernel": context.get("shared_bytes"), "dkdv_kernel": context.get("bwd_shared_bytes"),
+                          "dq_kernel": context.get("dq_shared_bytes")}}
         if sass:
             entry["sass"] = sass_counts(cubin)
         if keep is not None:
@@ -168,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = preset(args.preset) + [parse_variant(v) for v in args.variant]
     for rules_name, config in variants:  # the tuner prunes these before compiling (tune_space.prune)
-        if config.problems():
-            print(f"skipped {rules_name}:{config.label}: {'; '.join(config.problems())}")
-    variants = [(r, c) for r, c in variants if not c.problems()]
+        if problems(config):
+            print(f"skipped {rules_name}:{config.label}: {'; '.join(problems(config))}")
+    variants = [(r, c) for r, c in variants if not problems(c)]
     sass = args.sass or args.preset == "hot"
     with ThreadPoolExecutor(args.jobs) as pool:
         entries = list(pool.map(lambda v: compile_variant(v[0], v[1], sass, args.keep_cubins), variants))
