@@ -3,7 +3,8 @@
 
 from .version import __version__
 from .layout import Layout, LayoutBatch, PaddingReport, Segment
-from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Plan, plan
+from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Plan, PlanMemoryError, plan
+from .errors import InputError
 from .rules import Modality, Rules, RulesError
 from .targets import KernelConfig, KernelSpec, TileConfig
 from .op import Kernel, attention, build
@@ -12,6 +13,6 @@ from .op import Kernel, attention, build
 __all__ = [
     "__version__",
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
-    "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Modality", "PaddingReport", "Plan", "Rules", "RulesError",
+    "InputError", "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Modality", "PaddingReport", "Plan", "PlanMemoryError", "Rules", "RulesError",
     "Segment", "TileConfig", "plan",
 ]

@@ -25,7 +25,7 @@ from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
 from .autograd import Attention, has_backward
-from .checks import check_inputs
+from .checks import InputError, check_inputs, input_problems
 
 _PLAN_CACHE_SIZE = 16
 
@@ -207,10 +207,10 @@ def attention(
     """Masked attention for `rules` over `layout`; builds the variant on first use (cached in-process)."""
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError("q must be a 4-dimensional tensor [B, H, S, D]")
-    if q.device.type != "cuda":
-        raise ValueError(f"q is on {q.device}; omnigen kernels run on CUDA tensors")
+    # Every mistake of the call at once, before anything is built.
+    problems, _ = input_problems(q, k, v, layout, rules, scale=scale)
+    if problems:
+        raise InputError(problems)
     key = (rules.without_kernel(), q.shape[-1], q.dtype, q.device.index)
     kernel = _cached_kernel(key)
     if kernel is None:

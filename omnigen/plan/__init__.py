@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 
+from ..errors import cuda_problem
 from ..layout import AnyLayout, LayoutBatch, as_layout
 from ..mask import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
 from ..rules import Rules
 from . import host
+from .host import PlanMemoryError
 from .schedule import Plan
 
 
@@ -34,15 +36,16 @@ def plan(
     """Classify every (block_m x block_n) tile of the mask exactly and build forward/backward schedules.
 
     On a CUDA device with Triton the plan is made there (plan_gpu); otherwise on the host with
-    vectorised numpy code and the schedules copied to `device`. Memory is O(S + visited tiles)
-    plus one byte per tile for the kind grid.
+    vectorised numpy code and the schedules copied to `device`. Memory is O(S + visited tiles) (the
+    host path: about 16 bytes per visited tile at its peak, plus bounded temporaries); a plan that
+    would not fit raises `PlanMemoryError` (a MemoryError) before allocating.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     layout = as_layout(layout)
     block_m = _check_block(block_m, "block_m")
     block_n = _check_block(block_n, "block_n")
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = _check_device(device)
     tables = layout.tables(rules, device)
     B, S = tables.batch_size, tables.seq_len
     if device.type == "cuda" and _gpu_planner() is not None:
@@ -70,6 +73,26 @@ def plan(
     )
 
 
+def _check_device(device: Any) -> torch.device:
+    """`device` as a torch.device that exists here, else a ValueError saying what to do."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device: pass 'cpu' (the default), 'cuda', 'cuda:N' "
+                         f"or a torch.device ({str(exc).splitlines()[0].rstrip(' -')})") from None
+    if device.type == "cuda":
+        problem = cuda_problem()
+        if problem:
+            raise ValueError(f"device={str(device)!r}: {problem}; plan on the CPU with device='cpu' (the default), "
+                             f"which gives the same plan") from None
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are "
+                             f"visible (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
 def _gpu_planner():
     """The Triton planner module, or None where Triton is missing (then the host path runs)."""
     global _GPU_PLANNER
@@ -86,4 +109,4 @@ def _gpu_planner():
 _GPU_PLANNER = False
 
 
-__all__ = ["CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "PARTIAL", "SCHEDULE_KINDS", "Plan", "plan"]
+__all__ = ["CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "PARTIAL", "SCHEDULE_KINDS", "Plan", "PlanMemoryError", "plan"]

@@ -28,6 +28,15 @@ and the row's set of modalities: a few operations per tile, no counting. Only th
 (touching a piece's own segment, a document edge or a window's edge) are counted as above, which
 keeps the work proportional to the tiles a kernel visits with a small constant.
 
+Memory: every intermediate is O(segments + B * (nq + nk)) or, per *band* of q-tile rows, bounded by
+CHUNK_COST cells of that band's [rows, kv-tiles] grid; a problem larger than one band is classified
+band by band and its schedules assembled from the bands' runs (`_schedules_banded`), so the peak is
+~16 bytes per visited tile plus one band (a 1M-token causal plan: ~0.6 GB, 3 s on 2 cores). When
+even that would not fit, `PlanMemoryError` (a MemoryError) says so before anything large is made.
+Rows that are one piece also get an *own* interval: tiles inside their segment and window, whose
+kind is the segment's own policy (full, or causal across the diagonal), so a long segment costs an
+elementwise write per tile instead of an exact count.
+
 The host path is numpy: a few hundred operations on arrays of O(segments + visited tiles)
 elements, where per-call overhead is what costs (numpy's is about a third of torch's, and it never
 spreads a small array over threads). On a CUDA device with Triton, `plan()` hands the same
