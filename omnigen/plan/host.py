@@ -232,6 +232,8 @@ def _allowed_pairs_host(rules: Rules, t: _CpuTables) -> int:
 # over the whole [B * nq, nk] grid (the training sizes, 4K-32K: the same work as before bands existed).
 CHUNK_COST = 1 << 21
 NEAR_COST = 32
+# Grids of more tiles than this also write *own* tiles (inside a whole-row piece's segment) in closed form.
+OWN_FROM = 1 << 16
 # Exactly counted tiles are processed in slices of this many (bounds `count_rows`' temporaries).
 COUNT_SLICE = 1 << 15
 # Bytes a visited tile costs at the peak of a banded plan: fwd_kv and bwd_q (int32 each), the bands'
@@ -262,7 +264,7 @@ class _Problem:
     far tiles  [jf0, jf1): wholly before every piece of the row and inside every window; a tile's
                allowed pairs are sum(rows x E_m(tile)) over the row's pieces, so it is full when every
                modality of the row sees all its columns, empty when none sees any, else partial.
-    own tiles  [jo0, jo1), rows that are one piece only (inside one non-pad segment): tiles wholly
+    own tiles  of a piece that is its whole row (one non-pad segment): tiles wholly
                inside that segment and wholly inside its window, where the mask is the segment's own
                policy: full, or for a causal segment full below the diagonal and causal across it.
     near tiles the rest of each piece's reach, counted exactly (`count_rows`).
@@ -335,46 +337,42 @@ class _Problem:
         self.seen_bits = ((e_counts > 0) * bits[:n_mod, None]).sum(0).astype(dtype).reshape(B, nk)
         self.row_set = row_set.astype(dtype)
 
-        # Own interval of one-piece rows: tiles inside the segment and inside the window for every pair
-        # (c0 >= r1 - W); within the reach. Elsewhere empty.
-        only = np.flatnonzero(n_pieces == 1)
-        p = np.searchsorted(row_tile, only)
-        single = rows_of[only] == real_rows[only]
-        only, p = only[single], p[single]
-        b_s0 = np.maximum(s0[p], r1[p] - window[p]) - base[p]
-        jo0 = np.full(n_row_tiles, big, dtype=np.int64)
-        jo1 = np.full(n_row_tiles, big, dtype=np.int64)
-        own0 = np.maximum((b_s0 + block_n - 1) // block_n, j_lo[p])
-        own1 = np.minimum(np.where(s1[p] - base[p] == S, nk, (s1[p] - base[p]) // block_n), j_hi[p])
-        # causal: only tiles that start at or before the last row (later ones are empty in the segment)
-        own1 = np.where(causal[p], np.minimum(own1, (r1[p] - base[p] + block_n - 1) // block_n), own1)
-        has_own = own1 > own0
-        jo0[only[has_own]] = own0[has_own]
-        jo1[only[has_own]] = own1[has_own]
-        # A row's causal own tiles: those crossing the diagonal (c1 > r0 + 1); the rest are full.
-        self.own_causal_from = np.full(n_row_tiles, big, dtype=np.int64)  # first own tile that is causal
-        causal_rows = only[has_own & causal[p].astype(bool)]
-        # c1 = base + min((j + 1) * block_n, S) > row_first + 1  <=>  j >= x // block_n and x < S,
-        # with x = row_first + 1 - base (x == S: a one-row last q-tile, whose own tiles are all full)
-        x = row_first[causal_rows] + 1 - row_base[causal_rows]
-        self.own_causal_from[causal_rows] = np.where(x < S, x // block_n, big)
+        # Own interval of a piece that is its whole q-tile row (the row is one non-pad segment): tiles
+        # inside the segment and inside the window for every pair (c0 >= r1 - W), within the reach;
+        # for a causal segment only tiles starting at or before the last row (later ones are empty).
+        # Only for grids over OWN_FROM tiles: below, counting them is cheaper than the ~40 operations.
+        self.rows = (jf0, jf1, row_first, real_rows, row_base)
+        piece_jf0, piece_jf1 = jf0[row_tile], jf1[row_tile]
+        self.use_own = B * nq * nk > OWN_FROM
+        if not self.use_own:
+            # near intervals: the reach minus the far interval
+            self.near_lo = np.concatenate([j_lo, np.maximum(j_lo, piece_jf1)])  # [2 * pieces]
+            self.near_hi = np.concatenate([np.minimum(j_hi, piece_jf0), j_hi])
+            self.row_tile, self.n_parts = row_tile, 2
+            return
+        row_start = base + (r0 - base) // block_m * block_m
+        whole = (r0 == row_start) & (r1 == np.minimum(row_start + block_m, base + S))
+        own0 = np.maximum((np.maximum(s0, r1 - window) - base + block_n - 1) // block_n, j_lo)
+        own1 = np.minimum(np.where(s1 - base == S, nk, (s1 - base) // block_n), j_hi)
+        own1 = np.where(causal, np.minimum(own1, (r1 - base + block_n - 1) // block_n), own1)
+        has_own = whole & (own1 > own0)
+        self.own_lo = np.where(has_own, own0, 0)
+        self.own_hi = np.where(has_own, own1, 0)
+        # Its causal tiles: c1 = base + min((j + 1) * block_n, S) > r0 + 1, i.e. j >= x // block_n and
+        # x < S, with x = r0 + 1 - base (x == S: a one-row last q-tile, whose own tiles are all full).
+        x = r0 + 1 - base
+        self.own_causal_from = np.where(causal.astype(bool) & (x < S), x // block_n, big)
 
         # Near intervals of a piece are its reach minus [A0, A1) (far) minus [B0, B1) (own), A before B;
         # an empty interval collapses to a point that keeps that order.
-        a_empty, b_empty = no_far, jo1 <= jo0
-        B0 = np.where(b_empty, np.where(a_empty, big, jf1), jo0)
-        B1 = np.where(b_empty, B0, jo1)
-        A0 = np.where(a_empty, B0, jf0)
-        A1 = np.where(a_empty, B0, jf1)
-        self.rows = (jf0, jf1, jo0, jo1, A0, A1, B0, B1, row_first, real_rows, row_base)
-        piece_a0, piece_a1, piece_b0, piece_b1 = A0[row_tile], A1[row_tile], B0[row_tile], B1[row_tile]
-        self.near = (
-            (j_lo, np.minimum(j_hi, piece_a0)),
-            (np.maximum(j_lo, piece_a1), np.minimum(j_hi, piece_b0)),
-            (np.maximum(j_lo, piece_b1), j_hi),
-        )
-        self.row_tile = row_tile
-        self.near_total = int(sum(np.maximum(b - a, 0).sum() for a, b in self.near))
+        a_empty = piece_jf0 == big
+        B0 = np.where(has_own, own0, np.where(a_empty, big, piece_jf1))
+        B1 = np.where(has_own, own1, B0)
+        A0 = np.where(a_empty, B0, piece_jf0)
+        A1 = np.where(a_empty, B0, piece_jf1)
+        self.near_lo = np.concatenate([j_lo, np.maximum(j_lo, A1), np.maximum(j_lo, B1)])  # [3 * pieces]
+        self.near_hi = np.concatenate([np.minimum(j_hi, A0), np.minimum(j_hi, B0), j_hi])
+        self.row_tile, self.n_parts = row_tile, 3
 
     @functools.cached_property
     def reach(self) -> tuple[np.ndarray, np.ndarray]:
@@ -400,13 +398,15 @@ class _Problem:
         return int((hi - lo).sum())
 
     def bands(self) -> list[tuple[int, int]]:
-        """[ra, rb) ranges of q-tile rows, each within about CHUNK_COST (one row at least)."""
-        if self.n_rows * self.nk + NEAR_COST * self.near_total <= CHUNK_COST:
+        """[ra, rb) ranges of q-tile rows, each within about CHUNK_COST (one row at least). Grids of at
+        most OWN_FROM tiles are one band (their near tiles, at most pieces x nk, are counted in slices)."""
+        if self.n_rows * self.nk <= OWN_FROM:
+            return [(0, self.n_rows)]
+        near = np.maximum(self.near_hi - self.near_lo, 0).reshape(self.n_parts, -1).sum(0)  # per piece
+        if self.n_rows * self.nk + NEAR_COST * int(near.sum()) <= CHUNK_COST:
             return [(0, self.n_rows)]
         lo, hi = self.reach
-        (_, _, _, row_tile, *_) = self.pieces
-        near_sizes = sum(np.maximum(b - a, 0) for a, b in self.near)
-        cost = (hi - lo) + NEAR_COST * np.bincount(row_tile, weights=near_sizes, minlength=self.n_rows)
+        cost = (hi - lo) + NEAR_COST * np.bincount(self.row_tile, weights=near, minlength=self.n_rows)
         total = np.cumsum(cost)
         n_bands = int(total[-1] // CHUNK_COST) + 1
         if n_bands == 1:
@@ -419,9 +419,12 @@ class _Problem:
         """Kinds of q-tile rows [ra, rb) as an int8 grid [rb - ra, width] of kv-tiles [j0, j0 + width),
         and j0: all kv-tiles (j0 = 0) unless `narrow`, then the band's reach."""
         nk, block_n, S, big = self.nk, self.block_n, self.S, self.big
-        jf0, jf1, jo0, jo1, _, _, _, _, row_first, real_rows, row_base = (a[ra:rb] for a in self.rows)
+        jf0, jf1, row_first, real_rows, row_base = (a[ra:rb] for a in self.rows)
         (r0, r1, base, row_tile, s0, s1, v0, v1, causal, window, e_row, l_row, j_lo, j_hi) = self.pieces
-        pa, pb = (int(x) for x in np.searchsorted(row_tile, [ra, rb]))
+        if ra == 0 and rb == self.n_rows:
+            pa, pb = 0, row_tile.shape[0]
+        else:
+            pa, pb = (int(x) for x in np.searchsorted(row_tile, [ra, rb]))
         if narrow:
             lo, hi = self.reach
             j0 = int(lo[ra:rb].min())
@@ -430,7 +433,7 @@ class _Problem:
             j0, width = 0, nk
         n_rows = rb - ra
 
-        # ---- far and own tiles: elementwise over the band's [rows, kv-tiles] grid ------------------
+        # ---- far tiles: elementwise over the band's [rows, kv-tiles] grid ---------------------------
         j_all = np.arange(j0, j0 + width)
         b_first, b_last = ra // self.nq, (rb - 1) // self.nq
         if b_first == b_last:
@@ -447,21 +450,27 @@ class _Problem:
             np.int8(FULL),
             np.where((row_set & seen_bits) == 0, np.int8(EMPTY), np.int8(PARTIAL)),
         )
-        grid = np.where(in_far, far_kind, np.int8(EMPTY))
+        grid = np.where(in_far, far_kind, np.int8(EMPTY)).astype(np.int8, copy=False).reshape(-1)
         del in_far, far_kind
-        own = (jo0 < big) & (jo1 > jo0)
-        if own.any():
-            in_own = (j_all >= jo0[:, None]) & (j_all < jo1[:, None])
-            own_kind = np.where(j_all >= self.own_causal_from[ra:rb, None], np.int8(CAUSAL), np.int8(FULL))
-            grid = np.where(in_own, own_kind, grid)
-            del in_own, own_kind
-        grid = grid.astype(np.int8, copy=False).reshape(-1)
+
+        # ---- own tiles of whole-row pieces: full, or causal from the diagonal on ---------------------
+        if self.use_own:
+            owner, j = _ragged(self.own_lo[pa:pb], self.own_hi[pa:pb])
+            if owner.shape[0]:
+                owner += pa
+                grid[(row_tile[owner] - ra) * width + (j - j0)] = np.where(
+                    j >= self.own_causal_from[owner], np.int8(CAUSAL), np.int8(FULL))
+            del owner, j
 
         # ---- near tiles: the rest of each piece's reach, counted exactly ---------------------------
-        parts = [_ragged(a[pa:pb], b[pa:pb]) for a, b in self.near]
-        piece = np.concatenate([p for p, _ in parts]) + pa
-        j = np.concatenate([q for _, q in parts])
-        del parts
+        n_pieces = row_tile.shape[0]
+        if pa == 0 and pb == n_pieces:
+            owner, j = _ragged(self.near_lo, self.near_hi)
+        else:
+            owner, j = _ragged(self.near_lo.reshape(self.n_parts, -1)[:, pa:pb].reshape(-1),
+                               self.near_hi.reshape(self.n_parts, -1)[:, pa:pb].reshape(-1))
+        piece = owner % max(pb - pa, 1) + pa
+        del owner
         c0 = base[piece] + j * block_n
         c1 = np.minimum(c0 + block_n, base[piece] + S)
         n_piece_rows = (r1 - r0)[piece]
@@ -484,7 +493,7 @@ class _Problem:
                 window[hp], causal[hp], e_row[hp], l_row[hp], big,
             )
 
-        local = (row_tile[piece] - ra) * nk + j  # row-major over [rows, nk], so sorted like (row, j)
+        local = (row_tile[piece] - ra) * nk + j  # row-major over [rows, nk]
         tile, inverse = np.unique(local, return_inverse=True)
         n_allowed = np.zeros(tile.shape[0], dtype=np.int64)
         np.add.at(n_allowed, inverse, near_allowed)
