@@ -40,7 +40,20 @@ def tensor_problem(name: str, value: object, device: str = "cuda") -> str | None
 
 
 def cuda_problem() -> str | None:
-    """Why CUDA cannot be used in this process (one clause, with the fix), or None when it can."""
+    """Why CUDA cannot be used in this process (one clause, with the fix), or None when it can.
+    Remembered once CUDA is usable (plan() asks on every call, on a GPU training step's host path)."""
+    global _CUDA_OK
+    if _CUDA_OK:
+        return None
+    problem = _cuda_problem()
+    _CUDA_OK = problem is None
+    return problem
+
+
+_CUDA_OK = False
+
+
+def _cuda_problem() -> str | None:
     import torch
 
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:

@@ -87,7 +87,7 @@ def _check_device(device: Any) -> torch.device:
         if problem:
             raise ValueError(f"device={str(device)!r}: {problem}; plan on the CPU with device='cpu' (the default), "
                              f"which gives the same plan") from None
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is not None and device.index >= torch.cuda.device_count():  # (cached by torch)
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are "
                              f"visible (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
     return device
