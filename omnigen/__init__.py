@@ -3,7 +3,8 @@
 
 from .version import __version__
 from .layout import Layout, LayoutBatch, PaddingReport, Segment
-from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Plan, plan
+from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Plan, PlanMemoryError, plan
+from .errors import InputError
 from .rules import Modality, Rules, RulesError
 from .targets import KernelConfig, KernelSpec, TileConfig
 from .plan import Mask
@@ -13,7 +14,7 @@ from .op import Kernel, attention, build, mask  # `mask` the function shadows th
 __all__ = [
     "__version__",
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
-    "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Mask", "Modality", "PaddingReport", "Plan", "Rules", "RulesError",
-    "mask",
+    "InputError", "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Mask",
+    "Modality", "PaddingReport", "Plan", "PlanMemoryError", "Rules", "RulesError", "mask",
     "Segment", "TileConfig", "plan",
 ]

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from .layout import Layout, LayoutBatch
-from .mask import rule_tensors
+from .semantics import rule_tensors
 from .op import attention, mask as make_mask
 from .rules import Rules
 from .tune import layouts as tune_layouts

@@ -1,7 +1,7 @@
 """References: the pair-by-pair mask oracle, float64 attention, and a CPU emulator of the kernels' tile loop.
 
 `allowed_pair` is DESIGN section 1 read literally, one pair at a time, from the segments: the
-oracle the vectorised code is tested against (`omnigen.mask.tile_predicate`, the predicate the
+oracle the vectorised code is tested against (`omnigen.semantics.tile_predicate`, the predicate the
 generated kernels evaluate on partial tiles).
 The emulator walks a `Plan`'s schedules exactly as a kernel does (online softmax forward;
 dK/dV per kv-tile over the backward schedule, dQ accumulated), so a wrong plan gives a wrong
@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from .layout import Layout
-from .mask import CAUSAL, FULL, PARTIAL, SCHEDULE_KINDS, rule_tensors, tile_predicate
+from .errors import InputError, tensor_problem, type_name
+from .layout import AnyLayout, Layout, as_layout
+from .semantics import CAUSAL, FULL, PARTIAL, SCHEDULE_KINDS, rule_tensors, tile_predicate
 from .plan import Plan
 from .rules import PAD, Rules
 
@@ -54,12 +55,20 @@ def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | AnyLayout | str",
+    rules: "Rules | float | None" = None, scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention in float64: (out [B, Hq, S, D], lse [B, Hq, S]); rows with no key give 0 and -inf.
 
-    Differentiable (gradients of empty rows are zero, never NaN). `mask` is [S, S] or [B, S, S].
+    Runs wherever the tensors are (the CPU included). `mask` is a dense boolean mask [S, S] or
+    [B, S, S], or a layout (an omnigen Layout, a LayoutBatch or a string like "text:40 image:256")
+    together with its `rules`, e.g. `attention_reference(q, k, v, "text:40 image:256", rules)`.
+    A number in `rules`' place is taken as `scale` (the older positional form). Differentiable
+    (gradients of empty rows are zero, never NaN). Bad arguments: an `InputError` listing every problem.
     """
+    if isinstance(rules, (int, float)) and not isinstance(rules, bool):
+        rules, scale = None, rules
+    mask = _reference_mask(q, k, v, mask, rules, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q64, k64, v64 = q.double(), _expand_kv(k.double(), q.shape[1]), _expand_kv(v.double(), q.shape[1])
     mask = mask.to(q.device)
@@ -77,13 +86,63 @@ def attention_reference(
     return out, lse.squeeze(-1)
 
 
+def _reference_mask(q, k, v, mask, rules, scale) -> torch.Tensor:
+    """The dense boolean mask the reference applies; every problem of the arguments at once (InputError)."""
+    problems = [p for p in (tensor_problem(name, t, device="any") for name, t in (("q", q), ("k", k), ("v", v))) if p]
+    shapes_ok = not problems
+    if shapes_ok:
+        B, Hq, S, D = q.shape
+        if k.shape != v.shape:
+            problems.append(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        elif k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+            problems.append(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in B, S or D")
+        elif k.shape[1] < 1 or Hq % k.shape[1]:
+            problems.append(f"q heads ({Hq}) must be a multiple of k/v heads ({k.shape[1]})")
+    if rules is not None and not isinstance(rules, Rules):
+        problems.append(f"rules must be omnigen.Rules (or a number: the scale), not {type_name(rules)}")
+        rules = None
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+        problems.append(f"scale must be a positive number (default 1/sqrt(head dim)), got {scale!r}")
+    dense = None
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or mask.dim() not in (2, 3) or mask.shape[-1] != mask.shape[-2]:
+            problems.append(f"mask must be a torch.bool tensor [S, S] or [B, S, S] (or a layout with its rules), "
+                            f"got {mask.dtype} of shape {tuple(mask.shape)}")
+        else:
+            dense = mask
+    else:
+        try:
+            layout = as_layout(mask, name="mask")
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{exc} (or a dense torch.bool mask [S, S])")
+        else:
+            if rules is None:
+                problems.append("a layout as the mask needs its rules: attention_reference(q, k, v, layout, rules)")
+            else:
+                missing = layout.modalities - set(rules.modality_names) - {PAD}
+                if missing:
+                    problems.append(f"layout uses modalities {sorted(missing)} that the rules '{rules.name}' do not "
+                                    f"declare (declared: {', '.join(rules.modality_names)})")
+                else:
+                    dense = rules.dense_mask(layout)
+    if dense is not None and shapes_ok:
+        B, S = q.shape[0], q.shape[2]
+        if dense.shape[-1] != S:
+            problems.append(f"the mask covers {dense.shape[-1]} tokens but q/k/v have sequence length {S}")
+        elif dense.dim() == 3 and dense.shape[0] not in (1, B):
+            problems.append(f"the mask has {dense.shape[0]} batch elements but q has batch {B}")
+    if problems:
+        raise InputError(problems)
+    return dense
+
+
 def attention_reference_grads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, d_out: torch.Tensor,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | AnyLayout | str", d_out: torch.Tensor,
+    scale: float | None = None, rules: Rules | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in float64 for upstream gradient d_out."""
+    """(dq, dk, dv) in float64 for upstream gradient d_out; `mask` as in `attention_reference`."""
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out, _ = attention_reference(q64, k64, v64, mask, scale)
+    out, _ = attention_reference(q64, k64, v64, mask, rules, scale)
     return torch.autograd.grad(out, (q64, k64, v64), d_out.double())
 
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .mask import dense_mask
+from .semantics import dense_mask
 from .targets import ARCHS, DTYPES, HEAD_DIMS, KernelSpec, TileConfig
 
 PAD = "pad"

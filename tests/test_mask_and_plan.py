@@ -59,10 +59,19 @@ def _check_plan(rule_set, layout, block_m, block_n, mask):
 
 
 @settings(max_examples=1000)
-@given(rules_and_layout(), block_sizes, block_sizes)
-def test_plan_is_exact(case, block_m, block_n):
+@given(rules_and_layout(), block_sizes, block_sizes, st.booleans())
+def test_plan_is_exact(case, block_m, block_n, own_tiles):
+    """`own_tiles`: also the closed form for tiles inside a whole-row segment, which the planner
+    uses only on grids over host.OWN_FROM tiles (long sequences)."""
+    from omnigen.plan import host
+
     rule_set, layout = case
-    _check_plan(rule_set, layout, block_m, block_n, rule_set.dense_mask(layout))
+    saved = host.OWN_FROM
+    try:
+        host.OWN_FROM = 0 if own_tiles else saved
+        _check_plan(rule_set, layout, block_m, block_n, rule_set.dense_mask(layout))
+    finally:
+        host.OWN_FROM = saved
 
 
 @settings(max_examples=150)
@@ -145,3 +154,37 @@ def test_plan_on_gpu_matches_cpu(case, block_m, block_n):
     for name in ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q"):
         assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), name
     assert cpu.allowed_pairs == gpu.allowed_pairs
+
+
+@settings(max_examples=300)
+@given(st.data(), block_sizes, block_sizes, st.integers(1, 40), st.booleans())
+def test_banded_planner_matches_one_band(data, block_m, block_n, chunk_cost, own_tiles):
+    """Long layouts are planned a band of q-tile rows at a time (bounded memory); with a tiny band
+    budget every small case runs that path, and must give the one-band plan exactly."""
+    from omnigen.plan import host
+
+    rule_set = data.draw(rules())
+    first = data.draw(layouts(rule_set, max_length=60))
+    others = [data.draw(layouts(rule_set, max_length=60)) for _ in range(data.draw(st.integers(0, 2)))]
+    S = max([first.seq_len] + [o.seq_len for o in others])
+    layout = first if not others else omnigen.Layout.batch([first.pad_end(S)] + [o.pad_end(S) for o in others])
+    tables = host._CpuTables.of(layout.tables(rule_set, "cpu"))
+    saved = host.CHUNK_COST, host.OWN_FROM
+    try:
+        host.OWN_FROM = 0 if own_tiles else saved[1]
+        problem = host._Problem(rule_set, tables, block_m, block_n)
+        grid, _ = problem.classify(0, problem.n_rows, narrow=False)
+        expected = host._schedules_host(grid.reshape(problem.B, problem.nq, problem.nk))
+        host.CHUNK_COST = chunk_cost
+        bands = problem.bands()
+        got = host._schedules_banded(problem, bands)
+    finally:
+        host.CHUNK_COST, host.OWN_FROM = saved
+    masks = rule_set.dense_mask(layout)
+    masks = masks if masks.dim() == 3 else masks[None]
+    kinds = torch.stack([tile_kinds_from_mask(m, block_m, block_n) for m in masks])
+    assert grid.reshape(kinds.shape).tolist() == kinds.tolist()
+    assert bands[0][0] == 0 and bands[-1][1] == problem.n_rows
+    assert all(a < b for a, b in bands) and all(x[1] == y[0] for x, y in zip(bands, bands[1:]))
+    for name, want, have in zip(("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q"), expected, got):
+        assert want.dtype == have.dtype and want.tolist() == have.tolist(), name

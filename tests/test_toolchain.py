@@ -246,9 +246,10 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
         cli_build.codegen.targets = original
     assert result.exit_code == 0, result.output
     assert "cached" in result.output and "0 built, 1 from the cache" in result.output
-    assert "tuning skipped" in result.output
+    assert "tuning skipped" in result.output and f"omnigen build --rules {rules_file} --tune" in result.output
+    assert "_backward.cu" in inspected.output.split("sources:")[1].splitlines()[0]
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
-    assert inspected.exit_code == 0 and "built:" in inspected.output and "0 B spill" in inspected.output
+    assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
     assert cleared.exit_code == 0 and "removed 2 module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

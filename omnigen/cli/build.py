@@ -62,15 +62,20 @@ TOLERATED_SPILL_NOTE = ("* spills within the kernel family's allowance (kernels/
                         "path and per-step addresses of the backward's, none inside their mma loops")
 
 
+def spill_text(ptxas: dict) -> str:
+    """ptxas's spill figures as `build` and `inspect` both print them: "stores/loads B" (bytes, all kernels)."""
+    return f"{ptxas.get('spill_store_bytes', '?')}/{ptxas.get('spill_load_bytes', '?')} B"
+
+
 def _ptxas_cells(config: KernelConfig, meta: dict) -> list[str]:
-    """(registers, spills) for the build table; spills the allowance tolerates are marked '*'."""
+    """(registers, spill stores/loads) for the build table; spills the allowance tolerates are marked '*'."""
     ptxas = meta.get("ptxas") or {}
     if not ptxas:
         return ["?", "?"]
     spills = ptxas.get("spill_store_bytes", 0) + ptxas.get("spill_load_bytes", 0)
     kernels = ptxas.get("kernels") or {}
     tolerated = spills > 0 and kernels and not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels.items())
-    return [str(ptxas.get("registers", "?")), f"{spills} B" + ("*" if tolerated else "")]
+    return [str(ptxas.get("registers", "?")), spill_text(ptxas) + ("*" if tolerated else "")]
 
 
 def _parse_seq_lens(text: str | None) -> tuple[int, ...] | None:
@@ -139,6 +144,13 @@ def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache
 def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, layouts_file: str | None,
           seq_lens: str | None, rounds: int | None, retune: bool, jobs: int | None) -> None:
     """Render, compile and cache every kernel variant the rules ask for; with --tune, pick the fastest per shape."""
+    if not tune:
+        given = [flag for flag, value in (("--layouts", layouts_file), ("--seq-lens", seq_lens),
+                                          ("--rounds", rounds), ("--retune", retune)) if value]
+        if given:
+            raise UserError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --tune: add "
+                            f"--tune (omnigen build --rules {rules_path} --tune {' '.join(given)} ...), or drop "
+                            f"{'it' if len(given) == 1 else 'them'}")
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
     lengths = _parse_seq_lens(seq_lens)
@@ -181,7 +193,7 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
         size = meta.get("extension_bytes", 0)
         rows.append([v.config.label, "built" if result.built else "cached", *_ptxas_cells(v.config, meta),
                      _human_bytes(size), v.module])
-    click.echo(_table(["variant", "status", "regs", "spills", "size", "module"], rows))
+    click.echo(_table(["variant", "status", "regs", "spills st/ld", "size", "module"], rows))
     if any(row[3].endswith("*") for row in rows):
         click.echo(TOLERATED_SPILL_NOTE)
     built = sum(r.built for r in results)
@@ -194,8 +206,8 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
     if not tune:
         return
     if job is None:
-        click.echo(f"tuning skipped: {skipped}. The variants are built; run `omnigen build --tune` on a GPU machine "
-                   "to time the candidates and pick tiles.")
+        click.echo(f"tuning skipped: {skipped}. The variants are built; run `omnigen build --rules {rules_path} --tune` "
+                   "on a GPU machine to time the candidates and pick tiles.")
         return
     _tune(job, results, rounds, retune)
 
@@ -287,7 +299,7 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
         names = codegen.source_names(rules, config)
         click.echo("")
         click.echo(f"{config.label}  ->  module {codegen.module_name(rules, config)}")
-        click.echo(f"  sources:   {names['kernel']}, {names['binding']}, {names['mask']}")
+        click.echo(f"  sources:   {', '.join(names[role] for role in ('kernel', 'backward', 'binding', 'mask'))}")
         if toolchain is None:
             continue
         v = cache.variant(rules, config, toolchain)
@@ -297,8 +309,9 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
             ptxas = meta.get("ptxas", {})
             click.echo(f"  built:     {v.entry / v.extension_file}")
             click.echo(f"  emitted:   {v.entry}/ ({', '.join(meta.get('sources', []))})")
-            click.echo(f"  ptxas:     {ptxas.get('registers', '?')} registers, {ptxas.get('spill_store_bytes', '?')} B spill "
-                       f"stores, {ptxas.get('stack_bytes', '?')} B stack; {family_of(config).describe_resources(config)}")
+            click.echo(f"  ptxas:     {ptxas.get('registers', '?')} registers, spills st/ld {spill_text(ptxas)} "
+                       f"(as in `omnigen build`), {ptxas.get('stack_bytes', '?')} B stack; "
+                       f"{family_of(config).describe_resources(config)}")
             click.echo(f"  built at:  {meta.get('built_at', '?')} in {meta.get('build_seconds', '?')} s")
         else:
             click.echo(f"  not in the cache ({problem}): would be {v.entry}")

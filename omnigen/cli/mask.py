@@ -12,7 +12,7 @@ import click
 
 from .. import figures
 from ..layout import AnyLayout, Layout
-from ..plan import Plan, plan as make_plan
+from ..plan import Plan, PlanMemoryError, plan as make_plan
 from ..rules import Rules
 from .app import UserError, cli, user_errors
 
@@ -41,12 +41,15 @@ def _load(rules_path: str, layout_texts: Sequence[str], block_m: int, block_n: i
     start = time.perf_counter()
     try:
         plan = make_plan(rules, layout, block_m=block_m, block_n=block_n)
+    except PlanMemoryError as exc:  # refused before allocating: the message names the sizes and the fixes
+        raise UserError(str(exc)) from None
     except (MemoryError, RuntimeError) as exc:
         # A huge layout is a user's choice, not a bug: say so instead of printing a torch traceback.
         if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
             raise
         raise UserError(f"not enough memory to plan {layout.seq_len:,} tokens x {layout.batch_size} "
-                        f"with {block_m}x{block_n} tiles; try a shorter layout or larger tiles") from None
+                        f"with {block_m}x{block_n} tiles; try a shorter layout, larger tiles (--block-m 256 "
+                        f"--block-n 256), or plan on a GPU (omnigen.plan(..., device='cuda'))") from None
     return rules, layout, plan, time.perf_counter() - start
 
 

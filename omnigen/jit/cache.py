@@ -46,9 +46,44 @@ META_FILE = "meta.json"
 META_FORMAT = 1
 
 
-def cache_dir() -> Path:
+class CacheDirError(ValueError):
+    """The cache directory cannot be used (a file, or not writable); the message says how to fix it."""
+
+
+def _cache_dir_source() -> tuple[Path, str]:
     configured = os.environ.get("OMNIGEN_CACHE_DIR", "").strip()
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "omnigen"
+    if configured:
+        return Path(configured).expanduser(), f"OMNIGEN_CACHE_DIR is {configured}"
+    path = Path.home() / ".cache" / "omnigen"
+    return path, f"the cache directory {path}"
+
+
+_FIX = "Fix: point OMNIGEN_CACHE_DIR at a directory you can write (it is made if missing), or unset it"
+
+
+def cache_dir() -> Path:
+    """$OMNIGEN_CACHE_DIR, default ~/.cache/omnigen. CacheDirError when it (or a parent) is a file."""
+    path, named = _cache_dir_source()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "which is a file" if part == path else f"but {part} is a file"
+                raise CacheDirError(f"{named}, {what}, not a directory. {_FIX} (default ~/.cache/omnigen).")
+            break
+    return path
+
+
+def writable_cache_dir() -> Path:
+    """cache_dir(), made if missing; CacheDirError when it cannot be made or written."""
+    path = cache_dir()
+    named = _cache_dir_source()[1]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheDirError(f"{named}, which cannot be created ({exc.strerror}). {_FIX}.") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CacheDirError(f"{named}, which this user cannot write. {_FIX}.")
+    return path
 
 
 @dataclass
@@ -108,8 +143,11 @@ def variant(rules: Rules, config: KernelConfig, toolchain: Toolchain | None = No
 def module_lock(entry_name: str) -> Iterator[None]:
     """An exclusive flock per module. Python opens files close-on-exec, so ninja and the compilers
     never inherit the lock: it is released the moment this process dies, however it dies."""
-    directory = cache_dir() / "locks"
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = writable_cache_dir() / "locks"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheDirError(f"{directory} cannot be created ({exc.strerror}). {_FIX}.") from None
     with open(directory / f"{entry_name}.lock", "a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:

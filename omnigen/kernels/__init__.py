@@ -1,6 +1,7 @@
 """Kernel families (one folder each) and the registry that picks one per architecture."""
 
-from .family import DTYPE_NAMES, MAX_MODALITIES, TORCH_DTYPES, KernelFamily, kernel_ready
+from .family import DTYPE_NAMES, MAX_MODALITIES, TORCH_DTYPES, KernelFamily
+from .launch import kernel_ready
 from .registry import FAMILIES, backward_problems, check, default_tile, family_of, problems
 
 __all__ = ["DTYPE_NAMES", "FAMILIES", "MAX_MODALITIES", "TORCH_DTYPES", "KernelFamily", "backward_problems",

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from ..targets import KernelConfig, TileConfig
+from . import launch
 
 # Mask headers keep modality sets in 32-bit words, and pad takes an id.
 MAX_MODALITIES = 31
@@ -28,20 +30,19 @@ COMMON_TEMPLATES = KERNELS_DIR / "common" / "templates"
 COMMON_INCLUDE = KERNELS_DIR / "common" / "include"
 
 
-def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernels need a contiguous last dim, 16-byte aligned rows: copy only when that fails."""
-    aligned = t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-    return t if aligned else t.contiguous()
-
-
 class KernelFamily(ABC):
-    """One kernel family. Subclasses set `name` (the folder under omnigen/kernels/), the rendered
-    files (`sources`: role -> template name) and the names of the kernels the tuner times."""
+    """One kernel family. A subclass names its folder under omnigen/kernels/ (`name`), the files it
+    renders (`sources`: role -> template), the kernels the tuner times, its `resources` module (a
+    `Resources(config)` class with `problems()`, `backward_problems()` and `shared_memory_bytes`, plus
+    `default_tile(head_dim)` and `excess_spill_bytes(kernel_name, figures)`) and its `space` module
+    (`DEFAULT_SPACE`: candidate tiles per head dim); and it writes `render_context`."""
 
     name: str
     sources: dict[str, str]  # file role ("kernel", "backward") -> template in the family's templates/
     forward_kernel: str  # substrings of the kernels' mangled names in ptxas's report
     backward_kernel: str
+    resources: ModuleType
+    space: ModuleType
 
     @property
     def directory(self) -> Path:
@@ -58,31 +59,31 @@ class KernelFamily(ABC):
 
     # ---- what fits
 
-    @abstractmethod
     def problems(self, config: KernelConfig) -> list[str]:
         """Why this variant cannot be built (empty when it can)."""
+        return self.resources.Resources(config).problems()
 
-    @abstractmethod
     def backward_problems(self, config: KernelConfig) -> list[str]:
         """Why this variant's module has no backward (empty when it has one); the forward is unaffected."""
+        return self.resources.Resources(config).backward_problems()
 
-    @abstractmethod
     def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:
         """Spilled bytes of one kernel's ptxas figures beyond what the family tolerates (0: fine)."""
+        return self.resources.excess_spill_bytes(kernel_name, figures)
 
-    @abstractmethod
     def describe_resources(self, config: KernelConfig) -> str:
-        """One line for `omnigen build`'s table: shared memory and threads of the variant's kernels."""
+        """One line for `omnigen build`'s table: shared memory and threads of the variant's forward."""
+        return f"{self.resources.Resources(config).shared_memory_bytes // 1024} KB smem, {config.threads} threads"
 
     # ---- the candidate space
 
-    @abstractmethod
     def default_tile(self, head_dim: int) -> TileConfig:
         """The tile a variant gets when nobody picked one."""
+        return self.resources.default_tile(head_dim)
 
-    @abstractmethod
     def candidate_tiles(self, head_dim: int) -> tuple[TileConfig, ...]:
         """The tiles the tuner compiles and times for a head dim (the default tile among them)."""
+        return self.space.DEFAULT_SPACE.get(head_dim, (self.default_tile(head_dim),))
 
     # ---- code generation
 
@@ -90,15 +91,15 @@ class KernelFamily(ABC):
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         """The template variables that depend on the variant (the rules' part is common)."""
 
-    # ---- launching a built module (inputs already checked by the op)
+    # ---- launching a built module (inputs already checked by the op): the shared binding's arguments
 
-    @abstractmethod
     def forward(self, module: Any, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward: (out [B, Hq, S, D], lse [B, Hq, S] float32)."""
+        return launch.forward_pass(module, plan, q, k, v, scale)
 
-    @abstractmethod
     def backward(self, module: Any, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor, scale: float,
                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One backward: (dq, dk, dv) in the inputs' dtype. `plan` has this module's tile shape."""
+        return launch.backward_pass(module, plan, q, k, v, out, lse, d_out, scale, deterministic)

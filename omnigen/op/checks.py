@@ -1,7 +1,8 @@
-"""The op's argument checks: every mistake a caller can make gets a sentence naming the argument.
+"""The op's argument checks. Every mistake of a call is found, then all of them are reported at once,
+each naming the argument, what was expected and the fix (`InputError`: a ValueError and a TypeError).
 
-They read only shapes, dtypes, devices and plain attributes, so `torch.compile` traces them without a
-graph break (alignment, which needs data pointers, is checked inside the op).
+They read only shapes, dtypes, devices and plain attributes, so `torch.compile` traces the tensor checks
+without a graph break (alignment, which needs data pointers, is checked inside the op).
 """
 
 from __future__ import annotations
@@ -11,49 +12,114 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError, tensor_problem
+from ..kernels import DTYPE_NAMES
+from ..layout import as_layout
+from ..targets import HEAD_DIMS
+
 # Device types the kernels run on. Tests that stand a CPU emulator in for the kernels add "cpu".
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+CPU_PATH = "for a float64 result on the CPU use omnigen.reference.attention_reference(q, k, v, layout, rules)"
 
 
-def check_tensors(q, k, v, scale, dtype: torch.dtype | None = None, head_dim: int | None = None) -> float:
-    """q, k, v as SDPA takes them; returns the scale (default 1/sqrt(D)). `dtype`/`head_dim`: what a built
-    kernel accepts (None: checked when the kernel is built, inside the op)."""
+def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None,
+                    head_dim: int | None = None) -> list[str]:
+    """Every problem of q, k, v (SDPA layout) and scale. `dtype` / `head_dim`: what a built kernel takes
+    (None: any dtype and head dim omnigen builds)."""
+    problems: list[str] = []
+    tensors = {}
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions [B, H, S, D] (SDPA layout), got shape {tuple(t.shape)}")
-        if t.device.type not in DEVICE_TYPES:
-            raise ValueError(f"{name} is on {t.device}; omnigen kernels run on CUDA tensors")
+        problem = tensor_problem(name, t)
+        if problem:
+            problems.append(problem)
+        else:
+            tensors[name] = t
+    off_gpu = [name for name, t in tensors.items() if t.device.type not in DEVICE_TYPES]
+    if off_gpu:
+        where = sorted({str(tensors[name].device) for name in off_gpu})
+        problems.append(f"{', '.join(off_gpu)} {'is' if len(off_gpu) == 1 else 'are'} on {', '.join(where)}; omnigen "
+                        f"kernels run on CUDA tensors (move them with .cuda()); {CPU_PATH}")
+    if len({t.device for t in tensors.values()}) > 1 and not off_gpu:
+        problems.append(f"q, k and v must be on one device, got {', '.join(str(tensors[n].device) for n in tensors)}")
+    for name, t in tensors.items():
         if dtype is not None and t.dtype != dtype:
-            raise TypeError(
-                f"{name} is {t.dtype}, but this kernel was built for {dtype} "
-                f"(build another with omnigen.build(..., dtype={t.dtype}))"
-            )
-        if dtype is None and t.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} is {t.dtype}; omnigen kernels take torch.bfloat16 or torch.float16")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Hq, S, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in B, S or D")
-    Hkv = k.shape[1]
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv})")
-    if head_dim is not None and D != head_dim:
-        raise ValueError(
-            f"head dim {D} was not built: this kernel has head_dim {head_dim} "
-            f"(build one with omnigen.build(rules, head_dim={D}, ...))"
-        )
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+            problems.append(f"{name} is {t.dtype}, but this kernel was built for {dtype} "
+                            f"(build another with omnigen.build(..., dtype={t.dtype}), or convert with .to({dtype}))")
+        elif dtype is None and t.dtype not in DTYPE_NAMES:
+            problems.append(f"{name} is {t.dtype}; omnigen kernels take torch.bfloat16 or torch.float16 "
+                            f"(convert with .to(torch.bfloat16))")
+    if len(tensors) == 3 and dtype is None and len({t.dtype for t in tensors.values()}) > 1:
+        problems.append(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if len(tensors) == 3:
+        B, Hq, S, D = q.shape
+        if k.shape != v.shape:
+            problems.append(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+            problems.append(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in B, S or D")
+        Hkv = k.shape[1]
+        if Hkv < 1 or Hq % Hkv:
+            problems.append(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv})")
+        if head_dim is not None and D != head_dim:
+            problems.append(f"head dim {D} was not built: this kernel has head_dim {head_dim} "
+                            f"(build one with omnigen.build(rules, head_dim={D}, ...))")
+        elif head_dim is None and D not in HEAD_DIMS:
+            problems.append(f"head dim {D} is not one omnigen builds (head dims: {', '.join(map(str, HEAD_DIMS))}); "
+                            f"pad q, k and v to the next one")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        problems.append(f"scale must be a positive finite number (default 1/sqrt(head dim)), got {scale!r}")
+    return problems
+
+
+def layout_problems(layout: Any, rules: Any, batch: int | None, seq_len: int | None) -> tuple[list[str], Any]:
+    """(every problem of a plain layout against the rules and the call, the layout as an omnigen layout or None)."""
+    problems: list[str] = []
+    try:
+        layout = as_layout(layout)
+    except (TypeError, ValueError) as exc:
+        return [str(exc)], None
+    if batch is not None and layout.batch_size not in (1, batch):
+        problems.append(f"layout has {layout.batch_size} batch elements but q has batch {batch}")
+    if seq_len is not None and layout.seq_len != seq_len:
+        problems.append(f"layout has {layout.seq_len} tokens but q/k/v have sequence length {seq_len}")
+    missing = layout.modalities - set(rules.modality_names) - {"pad"}
+    if missing:
+        problems.append(f"layout uses modalities {sorted(missing)} that the rules '{rules.name}' do not declare "
+                        f"(declared: {', '.join(rules.modality_names)})")
+    return problems, layout
+
+
+def input_problems(q, k, v, layout, rules, *, dtype: torch.dtype | None = None, head_dim: int | None = None,
+                   scale: Any = None) -> tuple[list[str], Any]:
+    """(every problem of a call with a plain layout, the layout as an omnigen layout or None)."""
+    problems = tensor_problems(q, k, v, scale, dtype, head_dim)
+    shaped = isinstance(q, torch.Tensor) and q.dim() == 4
+    found, layout = layout_problems(layout, rules, q.shape[0] if shaped else None, q.shape[2] if shaped else None)
+    return problems + found, layout
+
+
+def check_tensors(q, k, v, scale: Any = None, dtype: torch.dtype | None = None, head_dim: int | None = None) -> float:
+    """q, k, v as SDPA takes them (InputError naming every problem); returns the scale (default 1/sqrt(D))."""
+    problems = tensor_problems(q, k, v, scale, dtype, head_dim)
+    if problems:
+        raise InputError(problems)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def check_call(q, k, v, layout, rules, scale: Any = None, dtype: torch.dtype | None = None,
+               head_dim: int | None = None) -> float:
+    """A call with a plain layout: every problem of the tensors and the layout at once; returns the scale."""
+    problems, _ = input_problems(q, k, v, layout, rules, dtype=dtype, head_dim=head_dim, scale=scale)
+    if problems:
+        raise InputError(problems)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def check_layout_against(layout: Any, rules: Any, batch: int, seq_len: int) -> None:
+    """A plain layout against the rules and the call (the layout is planned afterwards)."""
+    problems, _ = layout_problems(layout, rules, batch, seq_len)
+    if problems:
+        raise InputError(problems)
 
 
 def check_mask(mask: Any, q: torch.Tensor, rules_key: str, rules_name: str) -> None:
@@ -69,17 +135,3 @@ def check_mask(mask: Any, q: torch.Tensor, rules_key: str, rules_name: str) -> N
                          + (" (make it with omnigen.mask(..., batch=B) to repeat one layout)" if mask.batch_size == 1 else ""))
     if mask.device != q.device:
         raise ValueError(f"the mask is on {mask.device} but q is on {q.device}; make it with device={q.device}")
-
-
-def check_layout_against(layout: Any, rules: Any, B: int, S: int) -> None:
-    """A plain layout against the rules and the call (the layout is planned afterwards)."""
-    if layout.batch_size not in (1, B):
-        raise ValueError(f"layout has {layout.batch_size} batch elements but q has batch {B}")
-    if layout.seq_len != S:
-        raise ValueError(f"layout has {layout.seq_len} tokens but q/k/v have sequence length {S}")
-    missing = layout.modalities - set(rules.modality_names) - {"pad"}
-    if missing:
-        raise ValueError(
-            f"layout uses modalities {sorted(missing)} that the rules '{rules.name}' do not declare "
-            f"(declared: {', '.join(rules.modality_names)})"
-        )

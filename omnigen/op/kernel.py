@@ -31,7 +31,7 @@ from ..tune import space as tune_space
 from . import autograd  # noqa: F401  (registers the op's backward)
 from . import library
 from .autograd import has_backward
-from .checks import check_layout_against, check_mask, check_tensors
+from .checks import check_call, check_layout_against, check_mask, check_tensors
 
 _PLAN_CACHE_SIZE = 16
 
@@ -169,10 +169,11 @@ class Kernel:
         return_lse: bool = False,
         deterministic: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        scale = check_tensors(q, k, v, scale, self.dtype, self.config.head_dim)
         if isinstance(layout, Mask):
+            scale = check_tensors(q, k, v, scale, self.dtype, self.config.head_dim)
             mask = layout
         else:
+            scale = check_call(q, k, v, layout, self.rules, scale, self.dtype, self.config.head_dim)
             mask = _prepare_kernel_layout(self, layout, q)
         check_mask(mask, q, self.rules_key, self.rules.name)
         return _call_op(q, k, v, mask, self.key, scale, deterministic, return_lse)
@@ -341,7 +342,7 @@ def attention(
             raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}"
                             if rules is not None else "omnigen.attention needs the rules with a plain layout: "
                             "attention(q, k, v, layout, rules), or a mask: attention(q, k, v, omnigen.mask(...))")
-        scale = check_tensors(q, k, v, scale)
+        scale = check_call(q, k, v, layout, rules, scale)  # every mistake of the call at once, before building
         mask = _prepare_attention_layout(rules, layout, q)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
 

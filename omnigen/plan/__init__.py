@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..layout import AnyLayout, LayoutBatch, as_layout
-from ..mask import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
+from ..semantics import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
 from ..rules import Rules
 from . import host
-from .planners import _check_block, _gpu_planner
+from .host import PlanMemoryError
+from .planners import _check_block, _check_device, _gpu_planner
 from .schedule import Plan
 
 
@@ -28,15 +29,16 @@ def plan(
     """Classify every (block_m x block_n) tile of the mask exactly and build forward/backward schedules.
 
     On a CUDA device with Triton the plan is made there (plan_gpu); otherwise on the host with
-    vectorised numpy code and the schedules copied to `device`. Memory is O(S + visited tiles)
-    plus one byte per tile for the kind grid.
+    vectorised numpy code and the schedules copied to `device`. Memory is O(S + visited tiles) (the
+    host path: about 16 bytes per visited tile at its peak, plus bounded temporaries); a plan that
+    would not fit raises `PlanMemoryError` (a MemoryError) before allocating.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     layout = as_layout(layout)
     block_m = _check_block(block_m, "block_m")
     block_n = _check_block(block_n, "block_n")
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = _check_device(device)
     tables = layout.tables(rules, device)
     B, S = tables.batch_size, tables.seq_len
     if device.type == "cuda" and _gpu_planner() is not None:
@@ -68,4 +70,4 @@ def plan(
 from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans
 
 __all__ = ["CAPACITY_LIMIT", "CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "Mask", "PARTIAL", "SCHEDULE_KINDS", "Plan",
-           "make_mask", "mask_from_plans", "plan"]
+           "PlanMemoryError", "make_mask", "mask_from_plans", "plan"]

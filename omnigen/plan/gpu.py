@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import LayoutTables
-from ..mask import SEE_ALL, SEE_EARLIER, rule_tensors
+from ..semantics import SEE_ALL, SEE_EARLIER, rule_tensors
 from ..rules import Rules
 from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton
 
@@ -85,7 +85,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _rule_table(rules: Rules, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The rules as one int64 tensor on `device`, cached per (rules, device), as `mask.rule_tensors`.
+    """The rules as one int64 tensor on `device`, cached per (rules, device), as `semantics.rule_tensors`.
 
     Layout (M user modalities, pad id = M): weight rows [2M, M+1] (row m = E_m: see(m -> k) is
     earlier or all; row M + m = L_m: see(m -> k) is all; pad columns weigh 0), then causal [M+1]

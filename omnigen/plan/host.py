@@ -28,6 +28,15 @@ and the row's set of modalities: a few operations per tile, no counting. Only th
 (touching a piece's own segment, a document edge or a window's edge) are counted as above, which
 keeps the work proportional to the tiles a kernel visits with a small constant.
 
+Memory: every intermediate is O(segments + B * (nq + nk)) or, per *band* of q-tile rows, bounded by
+CHUNK_COST cells of that band's [rows, kv-tiles] grid; a problem larger than one band is classified
+band by band and its schedules assembled from the bands' runs (`_schedules_banded`), so the peak is
+~16 bytes per visited tile plus one band (a 1M-token causal plan: ~0.6 GB, 3 s on 2 cores). When
+even that would not fit, `PlanMemoryError` (a MemoryError) says so before anything large is made.
+Rows that are one piece also get an *own* interval: tiles inside their segment and window, whose
+kind is the segment's own policy (full, or causal across the diagonal), so a long segment costs an
+elementwise write per tile instead of an exact count.
+
 The host path is numpy: a few hundred operations on arrays of O(segments + visited tiles)
 elements, where per-call overhead is what costs (numpy's is about a third of torch's, and it never
 spreads a small array over threads). On a CUDA device with Triton, `plan()` hands the same
@@ -47,18 +56,25 @@ import numpy as np
 import torch
 
 from ..layout import LayoutTables
-from ..mask import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, rule_tensors
+from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, rule_tensors
 from ..rules import Rules
 
 
 def classify_and_schedule(
     rules: Rules, tables: LayoutTables, block_m: int, block_n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], int]]:
-    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q) on `device` from CPU tables, and a function counting allowed pairs."""
+    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q) on `device` from CPU tables, and a function counting allowed pairs.
+
+    Raises PlanMemoryError (a MemoryError) before allocating when the schedules would not fit."""
     host_tables = _CpuTables.of(tables)
-    B, S = tables.batch_size, tables.seq_len
-    grid = _classify_host(rules, host_tables, block_m, block_n)
-    schedules = _schedules_host(grid.reshape(B, -(-S // block_m), -(-S // block_n)))
+    problem = _Problem(rules, host_tables, block_m, block_n)
+    bands = problem.bands()
+    _check_memory(problem, banded=len(bands) > 1)
+    if len(bands) == 1:
+        grid, _ = problem.classify(0, problem.n_rows, narrow=False)
+        schedules = _schedules_host(grid.reshape(problem.B, problem.nq, problem.nk))
+    else:
+        schedules = _schedules_banded(problem, bands)
     fwd_ptr, fwd_kv, bwd_ptr, bwd_q = (torch.from_numpy(a).to(device) for a in schedules)
     return fwd_ptr, fwd_kv, bwd_ptr, bwd_q, lambda: _allowed_pairs_host(rules, host_tables)
 
@@ -209,130 +225,404 @@ def _allowed_pairs_host(rules: Rules, t: _CpuTables) -> int:
     return int(allowed.sum())
 
 
-def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> np.ndarray:
-    """`_classify` on numpy arrays: the CPU planner is a few hundred small array operations, so
-    per-operation overhead decides its speed (numpy's is a third of torch's and never threads)."""
-    see, causal_of, window_of = _host_rules(rules)
-    B, S = t.batch_size, t.seq_len
-    n_tokens = B * S
-    nq, nk = -(-S // block_m), -(-S // block_n)
-    n_mod = len(rules.modalities)
-    big = 4 * n_tokens + 4 * max(block_m, block_n)
-    prefix = _Prefix(n_mod, t, see)
+# ---- chunking: a large plan is classified and scheduled a band of q-tile rows at a time --------
+# One band's temporaries are bounded by CHUNK_COST "cells": a dense [rows, kv-tiles] cell of the band's
+# grid costs 1 (a few bytes of int8/bool/uint8 temporaries), a near tile that is counted exactly
+# NEAR_COST (~1 KB of int64 temporaries in `count_rows`). A problem under one CHUNK_COST is one band
+# over the whole [B * nq, nk] grid (the training sizes, 4K-32K: the same work as before bands existed).
+CHUNK_COST = 1 << 21
+NEAR_COST = 32
+# Grids of more tiles than this also write *own* tiles (inside a whole-row piece's segment) in closed form.
+OWN_FROM = 1 << 16
+# Exactly counted tiles are processed in slices of this many (bounds `count_rows`' temporaries).
+COUNT_SLICE = 1 << 15
+# Bytes a visited tile costs at the peak of a banded plan: fwd_kv and bwd_q (int32 each), the bands'
+# backward entries kept until the backward pointers are known (int32), and fwd_kv's pieces (int32).
+BYTES_PER_TILE = 16
+# Bytes of one band's temporaries (CHUNK_COST cells), with margin.
+CHUNK_BYTES = 256 << 20
+# Plans that need less than this are made without looking at the available memory.
+CHECK_FROM = 256 << 20
 
-    # ---- row pieces: runs of rows inside one q-tile and one segment ------------------------
-    tile_starts = (np.arange(B)[:, None] * S + np.arange(nq)[None, :] * block_m).reshape(-1)
-    starts = np.unique(np.concatenate([tile_starts, t.seg_start]))  # sorted
-    ends = np.append(starts[1:], n_tokens)
-    segment = t.token_segment[starts].astype(np.int64)
-    modality = t.seg_modality[segment]
-    keep = modality != rules.pad_id
-    r0, r1, segment, modality = starts[keep], ends[keep], segment[keep], modality[keep]
-    base = (r0 // S) * S
-    row_tile = (r0 // S) * nq + (r0 - base) // block_m
-    s0, s1 = t.seg_start[segment], t.seg_end[segment]
-    v0, v1 = t.seg_visible_start[segment], t.seg_visible_end[segment]
-    causal = causal_of[modality]
-    window = window_of[modality]
-    window = np.where(window > 0, window, big)
-    e_row, l_row = 1 + modality, 1 + n_mod + modality
 
-    # Columns a piece can reach: skip kv-tiles that certainly hold nothing it may see.
-    sees_earlier = prefix.count(e_row, v0, s0) > 0
-    sees_later = prefix.count(l_row, s1, v1) > 0
-    lo = np.maximum(np.where(sees_earlier, v0, s0), r0 - window + 1)
-    hi = np.where(sees_later, v1, np.where(causal, r1, s1))
-    j_lo = (lo - base) // block_n
-    j_hi = (hi - base + block_n - 1) // block_n
+class PlanMemoryError(MemoryError):
+    """A plan would need more memory than this machine has available (raised before allocating)."""
 
-    # ---- far tiles: wholly before every piece of their row, inside every window --------------
-    # There a tile's allowed pairs are sum(rows x E_m(tile)) over the row's pieces, so it is full
-    # when every modality of the row sees all its columns, empty when none sees any, else partial.
-    n_row_tiles = B * nq
-    far_lo = np.zeros(n_row_tiles, dtype=np.int64)
-    np.maximum.at(far_lo, row_tile, np.maximum(v0, r1 - window))
-    far_hi = np.full(n_row_tiles, n_tokens, dtype=np.int64)
-    np.minimum.at(far_hi, row_tile, s0)
-    row_base = (np.arange(n_row_tiles) // nq) * S
-    jf0 = (far_lo - row_base + block_n - 1) // block_n
-    jf1 = np.maximum((far_hi - row_base) // block_n, jf0)
-    has_piece = np.zeros(n_row_tiles, dtype=bool)
-    has_piece[row_tile] = True
-    no_far = ~(has_piece & (jf1 > jf0))
-    jf0[no_far] = big
-    jf1[no_far] = big
 
-    row_first = np.arange(n_row_tiles) % nq * block_m + row_base
-    real_rows = np.minimum(row_first + block_m, row_base + S) - row_first
-    rows_of = np.bincount(row_tile, weights=r1 - r0, minlength=n_row_tiles).astype(np.int64)
-    present = np.bincount(row_tile * (n_mod + 1) + modality, minlength=n_row_tiles * (n_mod + 1))
-    bits = 1 << np.arange(n_mod + 1, dtype=np.int64)
-    row_set = ((present.reshape(n_row_tiles, n_mod + 1) > 0) * bits).sum(1) | np.where(
-        rows_of < real_rows, bits[n_mod], 0
-    )  # pad rows: a pad bit that no column satisfies
-    col_first = np.arange(B * nk)
-    col_first = (col_first // nk) * S + (col_first % nk) * block_n
-    col_last = np.minimum(col_first + block_n, (col_first // S) * S + S)
-    e_counts = prefix.count(np.arange(1, 1 + n_mod)[:, None], col_first[None, :], col_last[None, :])  # [M, B*nk]
-    full_bits = ((e_counts == (col_last - col_first)) * bits[:n_mod, None]).sum(0).reshape(B, 1, nk)
-    seen_bits = ((e_counts > 0) * bits[:n_mod, None]).sum(0).reshape(B, 1, nk)
-    # Dense over the [rows, kv-tiles] grid: plain elementwise work, no gathers per visited tile.
-    j_all = np.arange(nk)
-    in_far = ((j_all >= jf0[:, None]) & (j_all < jf1[:, None])).reshape(B, nq, nk)
-    row_set3 = row_set.reshape(B, nq, 1)
-    far_kind = np.where(
-        (row_set3 & ~full_bits) == 0,
-        np.int8(FULL),
-        np.where((row_set3 & seen_bits) == 0, np.int8(EMPTY), np.int8(PARTIAL)),
-    )
-    grid = np.where(in_far, far_kind, np.int8(EMPTY)).astype(np.int8).reshape(-1)
+def _bit_dtype(n_bits: int) -> type:
+    """The narrowest unsigned dtype holding n_bits bits (the modality sets of rows and columns)."""
+    return np.uint8 if n_bits <= 8 else np.uint16 if n_bits <= 16 else np.uint32 if n_bits <= 32 else np.uint64
 
-    # ---- near tiles: the rest of each piece's reach, counted exactly ---------------------------
-    piece_jf0, piece_jf1 = jf0[row_tile], jf1[row_tile]
-    left_piece, left_j = _ragged(j_lo, np.minimum(j_hi, piece_jf0))
-    right_piece, right_j = _ragged(np.maximum(j_lo, piece_jf1), j_hi)
-    piece = np.concatenate([left_piece, right_piece])
-    j = np.concatenate([left_j, right_j])
-    c0 = base[piece] + j * block_n
-    c1 = np.minimum(c0 + block_n, base[piece] + S)
-    n_rows = (r1 - r0)[piece]
-    # Simple pairs: the tile lies wholly before the piece's segment and inside its window for
-    # every row (rows x E-columns), or wholly after it (rows x L-columns, all above the diagonal).
-    ps0, ps1 = s0[piece], s1[piece]
-    after = c0 >= ps1
-    before = (c1 <= ps0) & (c0 >= (r1 - window)[piece])
-    weight_row = np.where(after, l_row[piece], e_row[piece])
-    lo_col = np.where(after, c0, np.maximum(v0[piece], c0))
-    hi_col = np.maximum(np.where(after, np.minimum(c1, v1[piece]), c1), lo_col)
-    near_allowed = n_rows * prefix.count(weight_row, lo_col, hi_col)
-    near_above = np.where(after, near_allowed, 0)
-    hard = np.flatnonzero(~(after | before))
-    if hard.shape[0]:
-        hp = piece[hard]
-        near_allowed[hard], near_above[hard] = prefix.count_rows(
-            c0[hard], c1[hard], r0[hp], r1[hp], s0[hp], s1[hp], v0[hp], v1[hp],
-            window[hp], causal[hp], e_row[hp], l_row[hp], big,
+
+class _Problem:
+    """What every band needs: the rules as arrays, the prefix sums, the row pieces, and per q-tile row
+    its far interval, own interval, modality set and reach; per kv-tile its modality bit sets.
+    Everything here is O(segments + B * (nq + nk)).
+
+    Rows are cut into *pieces*: maximal runs inside one q-tile and one segment. Per q-tile row:
+
+    far tiles  [jf0, jf1): wholly before every piece of the row and inside every window; a tile's
+               allowed pairs are sum(rows x E_m(tile)) over the row's pieces, so it is full when every
+               modality of the row sees all its columns, empty when none sees any, else partial.
+    own tiles  of a piece that is its whole row (one non-pad segment): tiles wholly
+               inside that segment and wholly inside its window, where the mask is the segment's own
+               policy: full, or for a causal segment full below the diagonal and causal across it.
+    near tiles the rest of each piece's reach, counted exactly (`count_rows`).
+    """
+
+    def __init__(self, rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> None:
+        see, causal_of, window_of = _host_rules(rules)
+        B, S = t.batch_size, t.seq_len
+        n_tokens = B * S
+        nq, nk = -(-S // block_m), -(-S // block_n)
+        n_mod = len(rules.modalities)
+        big = 4 * n_tokens + 4 * max(block_m, block_n)
+        self.B, self.S, self.nq, self.nk, self.block_m, self.block_n, self.big = B, S, nq, nk, block_m, block_n, big
+        self.prefix = prefix = _Prefix(n_mod, t, see)
+
+        # ---- row pieces: runs of rows inside one q-tile and one segment (sorted by row) -----------
+        tile_starts = (np.arange(B)[:, None] * S + np.arange(nq)[None, :] * block_m).reshape(-1)
+        starts = np.unique(np.concatenate([tile_starts, t.seg_start]))  # sorted
+        ends = np.append(starts[1:], n_tokens)
+        segment = t.token_segment[starts].astype(np.int64)
+        modality = t.seg_modality[segment]
+        keep = modality != rules.pad_id
+        r0, r1, segment, modality = starts[keep], ends[keep], segment[keep], modality[keep]
+        base = (r0 // S) * S
+        row_tile = (r0 // S) * nq + (r0 - base) // block_m
+        s0, s1 = t.seg_start[segment], t.seg_end[segment]
+        v0, v1 = t.seg_visible_start[segment], t.seg_visible_end[segment]
+        causal = causal_of[modality]
+        window = window_of[modality]
+        window = np.where(window > 0, window, big)
+        e_row, l_row = 1 + modality, 1 + n_mod + modality
+
+        # Columns a piece can reach: skip kv-tiles that certainly hold nothing it may see.
+        sees_earlier = prefix.count(e_row, v0, s0) > 0
+        sees_later = prefix.count(l_row, s1, v1) > 0
+        lo = np.maximum(np.where(sees_earlier, v0, s0), r0 - window + 1)
+        hi = np.where(sees_later, v1, np.where(causal, r1, s1))
+        j_lo = (lo - base) // block_n
+        j_hi = (hi - base + block_n - 1) // block_n
+        self.pieces = (r0, r1, base, row_tile, s0, s1, v0, v1, causal, window, e_row, l_row, j_lo, j_hi)
+
+        # ---- per q-tile row: far interval, modality set, own interval -----------------------------
+        n_row_tiles = B * nq
+        far_lo = np.zeros(n_row_tiles, dtype=np.int64)
+        np.maximum.at(far_lo, row_tile, np.maximum(v0, r1 - window))
+        far_hi = np.full(n_row_tiles, n_tokens, dtype=np.int64)
+        np.minimum.at(far_hi, row_tile, s0)
+        row_base = (np.arange(n_row_tiles) // nq) * S
+        jf0 = (far_lo - row_base + block_n - 1) // block_n
+        jf1 = np.maximum((far_hi - row_base) // block_n, jf0)
+        n_pieces = np.bincount(row_tile, minlength=n_row_tiles)
+        no_far = ~((n_pieces > 0) & (jf1 > jf0))
+        jf0[no_far] = big
+        jf1[no_far] = big
+
+        row_first = np.arange(n_row_tiles) % nq * block_m + row_base
+        real_rows = np.minimum(row_first + block_m, row_base + S) - row_first
+        rows_of = np.bincount(row_tile, weights=r1 - r0, minlength=n_row_tiles).astype(np.int64)
+        present = np.bincount(row_tile * (n_mod + 1) + modality, minlength=n_row_tiles * (n_mod + 1))
+        self.bit_dtype = dtype = _bit_dtype(n_mod + 1)
+        bits = (1 << np.arange(n_mod + 1, dtype=np.int64))
+        row_set = ((present.reshape(n_row_tiles, n_mod + 1) > 0) * bits).sum(1) | np.where(
+            rows_of < real_rows, bits[n_mod], 0
+        )  # pad rows: a pad bit that no column satisfies
+        col_first = np.arange(B * nk)
+        col_first = (col_first // nk) * S + (col_first % nk) * block_n
+        col_last = np.minimum(col_first + block_n, (col_first // S) * S + S)
+        e_counts = prefix.count(np.arange(1, 1 + n_mod)[:, None], col_first[None, :], col_last[None, :])  # [M, B*nk]
+        self.full_bits = ((e_counts == (col_last - col_first)) * bits[:n_mod, None]).sum(0).astype(dtype).reshape(B, nk)
+        self.seen_bits = ((e_counts > 0) * bits[:n_mod, None]).sum(0).astype(dtype).reshape(B, nk)
+        self.row_set = row_set.astype(dtype)
+
+        # Own interval of a piece that is its whole q-tile row (the row is one non-pad segment): tiles
+        # inside the segment and inside the window for every pair (c0 >= r1 - W), within the reach;
+        # for a causal segment only tiles starting at or before the last row (later ones are empty).
+        # Only for grids over OWN_FROM tiles: below, counting them is cheaper than the ~40 operations.
+        self.rows = (jf0, jf1, row_first, real_rows, row_base)
+        piece_jf0, piece_jf1 = jf0[row_tile], jf1[row_tile]
+        self.use_own = B * nq * nk > OWN_FROM
+        if not self.use_own:
+            # near intervals: the reach minus the far interval
+            self.near_lo = np.concatenate([j_lo, np.maximum(j_lo, piece_jf1)])  # [2 * pieces]
+            self.near_hi = np.concatenate([np.minimum(j_hi, piece_jf0), j_hi])
+            self.row_tile, self.n_parts = row_tile, 2
+            return
+        row_start = base + (r0 - base) // block_m * block_m
+        whole = (r0 == row_start) & (r1 == np.minimum(row_start + block_m, base + S))
+        own0 = np.maximum((np.maximum(s0, r1 - window) - base + block_n - 1) // block_n, j_lo)
+        own1 = np.minimum(np.where(s1 - base == S, nk, (s1 - base) // block_n), j_hi)
+        own1 = np.where(causal, np.minimum(own1, (r1 - base + block_n - 1) // block_n), own1)
+        has_own = whole & (own1 > own0)
+        self.own_lo = np.where(has_own, own0, 0)
+        self.own_hi = np.where(has_own, own1, 0)
+        # Its causal tiles: c1 = base + min((j + 1) * block_n, S) > r0 + 1, i.e. j >= x // block_n and
+        # x < S, with x = r0 + 1 - base (x == S: a one-row last q-tile, whose own tiles are all full).
+        x = r0 + 1 - base
+        self.own_causal_from = np.where(causal.astype(bool) & (x < S), x // block_n, big)
+
+        # Near intervals of a piece are its reach minus [A0, A1) (far) minus [B0, B1) (own), A before B;
+        # an empty interval collapses to a point that keeps that order.
+        a_empty = piece_jf0 == big
+        B0 = np.where(has_own, own0, np.where(a_empty, big, piece_jf1))
+        B1 = np.where(has_own, own1, B0)
+        A0 = np.where(a_empty, B0, piece_jf0)
+        A1 = np.where(a_empty, B0, piece_jf1)
+        self.near_lo = np.concatenate([j_lo, np.maximum(j_lo, A1), np.maximum(j_lo, B1)])  # [3 * pieces]
+        self.near_hi = np.concatenate([np.minimum(j_hi, A0), np.minimum(j_hi, B0), j_hi])
+        self.row_tile, self.n_parts = row_tile, 3
+
+    @functools.cached_property
+    def reach(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per q-tile row: the first and one past the last kv-tile a piece of it reaches."""
+        n_row_tiles, nk = self.n_rows, self.nk
+        (_, _, _, row_tile, _, _, _, _, _, _, _, _, j_lo, j_hi) = self.pieces
+        reach_lo = np.full(n_row_tiles, nk, dtype=np.int64)
+        np.minimum.at(reach_lo, row_tile, j_lo)
+        reach_hi = np.zeros(n_row_tiles, dtype=np.int64)
+        np.maximum.at(reach_hi, row_tile, j_hi)
+        reach_lo = np.minimum(np.maximum(reach_lo, 0), nk)
+        return reach_lo, np.maximum(np.minimum(reach_hi, nk), reach_lo)
+
+    @property
+    def n_rows(self) -> int:
+        return self.B * self.nq
+
+    def visited_bound(self) -> int:
+        """An upper bound of the visited tiles: every q-tile row's reach (the whole grid when small)."""
+        if self.n_rows * self.nk <= CHUNK_COST:
+            return self.n_rows * self.nk
+        lo, hi = self.reach
+        return int((hi - lo).sum())
+
+    def bands(self) -> list[tuple[int, int]]:
+        """[ra, rb) ranges of q-tile rows, each within about CHUNK_COST (one row at least). Grids of at
+        most OWN_FROM tiles are one band (their near tiles, at most pieces x nk, are counted in slices)."""
+        if self.n_rows * self.nk <= OWN_FROM:
+            return [(0, self.n_rows)]
+        near = np.maximum(self.near_hi - self.near_lo, 0).reshape(self.n_parts, -1).sum(0)  # per piece
+        if self.n_rows * self.nk + NEAR_COST * int(near.sum()) <= CHUNK_COST:
+            return [(0, self.n_rows)]
+        lo, hi = self.reach
+        cost = (hi - lo) + NEAR_COST * np.bincount(self.row_tile, weights=near, minlength=self.n_rows)
+        total = np.cumsum(cost)
+        n_bands = int(total[-1] // CHUNK_COST) + 1
+        if n_bands == 1:
+            return [(0, self.n_rows)]
+        cuts = np.searchsorted(total, np.arange(1, n_bands) * CHUNK_COST, side="right")
+        edges = np.unique(np.concatenate([[0], np.minimum(np.maximum(cuts, 1), self.n_rows), [self.n_rows]]))
+        return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+    def classify(self, ra: int, rb: int, narrow: bool) -> tuple[np.ndarray, int]:
+        """Kinds of q-tile rows [ra, rb) as an int8 grid [rb - ra, width] of kv-tiles [j0, j0 + width),
+        and j0: all kv-tiles (j0 = 0) unless `narrow`, then the band's reach."""
+        nk, block_n, S, big = self.nk, self.block_n, self.S, self.big
+        jf0, jf1, row_first, real_rows, row_base = (a[ra:rb] for a in self.rows)
+        (r0, r1, base, row_tile, s0, s1, v0, v1, causal, window, e_row, l_row, j_lo, j_hi) = self.pieces
+        if ra == 0 and rb == self.n_rows:
+            pa, pb = 0, row_tile.shape[0]
+        else:
+            pa, pb = (int(x) for x in np.searchsorted(row_tile, [ra, rb]))
+        if narrow:
+            lo, hi = self.reach
+            j0 = int(lo[ra:rb].min())
+            width = max(int(hi[ra:rb].max()) - j0, 0)
+        else:
+            j0, width = 0, nk
+        n_rows = rb - ra
+
+        # ---- far tiles: elementwise over the band's [rows, kv-tiles] grid ---------------------------
+        j_all = np.arange(j0, j0 + width)
+        b_first, b_last = ra // self.nq, (rb - 1) // self.nq
+        if b_first == b_last:
+            full_bits = self.full_bits[b_first, j0 : j0 + width][None, :]
+            seen_bits = self.seen_bits[b_first, j0 : j0 + width][None, :]
+        else:
+            element = np.arange(ra, rb) // self.nq
+            full_bits = self.full_bits[element, j0 : j0 + width]
+            seen_bits = self.seen_bits[element, j0 : j0 + width]
+        row_set = self.row_set[ra:rb, None]
+        in_far = (j_all >= jf0[:, None]) & (j_all < jf1[:, None])
+        far_kind = np.where(
+            (row_set & ~full_bits) == 0,
+            np.int8(FULL),
+            np.where((row_set & seen_bits) == 0, np.int8(EMPTY), np.int8(PARTIAL)),
         )
+        grid = np.where(in_far, far_kind, np.int8(EMPTY)).astype(np.int8, copy=False).reshape(-1)
+        del in_far, far_kind
 
-    tile, inverse = np.unique(row_tile[piece] * nk + j, return_inverse=True)
-    n_allowed = np.zeros(tile.shape[0], dtype=np.int64)
-    np.add.at(n_allowed, inverse, near_allowed)
-    n_above = np.zeros(tile.shape[0], dtype=np.int64)
-    np.add.at(n_above, inverse, near_above)
-    t_row, t_col = tile // nk, tile % nk
-    R0 = row_first[t_row]
-    R1 = R0 + real_rows[t_row]
-    C0 = row_base[t_row] + t_col * block_n
-    C1 = np.minimum(C0 + block_n, row_base[t_row] + S)
-    area = (R1 - R0) * (C1 - C0)
-    zeros = np.zeros_like(R0)
-    below_or_on = prefix.window_sum(zeros, C0, C1, R0, R1, 1) - (R1 - R0) * C0
-    kind = np.where(n_allowed == 0, EMPTY, PARTIAL)
-    kind = np.where((n_above == 0) & (n_allowed == below_or_on) & (n_allowed > 0), CAUSAL, kind)
-    kind = np.where(n_allowed == area, FULL, kind)
+        # ---- own tiles of whole-row pieces: full, or causal from the diagonal on ---------------------
+        if self.use_own:
+            owner, j = _ragged(self.own_lo[pa:pb], self.own_hi[pa:pb])
+            if owner.shape[0]:
+                owner += pa
+                grid[(row_tile[owner] - ra) * width + (j - j0)] = np.where(
+                    j >= self.own_causal_from[owner], np.int8(CAUSAL), np.int8(FULL))
+            del owner, j
 
-    grid[tile] = kind
-    return grid
+        # ---- near tiles: the rest of each piece's reach, counted exactly ---------------------------
+        n_pieces = row_tile.shape[0]
+        if pa == 0 and pb == n_pieces:
+            owner, j = _ragged(self.near_lo, self.near_hi)
+        else:
+            owner, j = _ragged(self.near_lo.reshape(self.n_parts, -1)[:, pa:pb].reshape(-1),
+                               self.near_hi.reshape(self.n_parts, -1)[:, pa:pb].reshape(-1))
+        piece = owner % max(pb - pa, 1) + pa
+        del owner
+        c0 = base[piece] + j * block_n
+        c1 = np.minimum(c0 + block_n, base[piece] + S)
+        n_piece_rows = (r1 - r0)[piece]
+        # Simple pairs: the tile lies wholly before the piece's segment and inside its window for
+        # every row (rows x E-columns), or wholly after it (rows x L-columns, all above the diagonal).
+        ps0, ps1 = s0[piece], s1[piece]
+        after = c0 >= ps1
+        before = (c1 <= ps0) & (c0 >= (r1 - window)[piece])
+        weight_row = np.where(after, l_row[piece], e_row[piece])
+        lo_col = np.where(after, c0, np.maximum(v0[piece], c0))
+        hi_col = np.maximum(np.where(after, np.minimum(c1, v1[piece]), c1), lo_col)
+        near_allowed = n_piece_rows * self.prefix.count(weight_row, lo_col, hi_col)
+        near_above = np.where(after, near_allowed, 0)
+        hard = np.flatnonzero(~(after | before))
+        for start in range(0, hard.shape[0], COUNT_SLICE):
+            h = hard[start : start + COUNT_SLICE]
+            hp = piece[h]
+            near_allowed[h], near_above[h] = self.prefix.count_rows(
+                c0[h], c1[h], r0[hp], r1[hp], s0[hp], s1[hp], v0[hp], v1[hp],
+                window[hp], causal[hp], e_row[hp], l_row[hp], big,
+            )
+
+        local = (row_tile[piece] - ra) * nk + j  # row-major over [rows, nk]
+        tile, inverse = np.unique(local, return_inverse=True)
+        n_allowed = np.zeros(tile.shape[0], dtype=np.int64)
+        np.add.at(n_allowed, inverse, near_allowed)
+        n_above = np.zeros(tile.shape[0], dtype=np.int64)
+        np.add.at(n_above, inverse, near_above)
+        t_row, t_col = tile // nk, tile % nk
+        R0 = row_first[t_row]
+        R1 = R0 + real_rows[t_row]
+        C0 = row_base[t_row] + t_col * block_n
+        C1 = np.minimum(C0 + block_n, row_base[t_row] + S)
+        area = (R1 - R0) * (C1 - C0)
+        zeros = np.zeros_like(R0)
+        below_or_on = self.prefix.window_sum(zeros, C0, C1, R0, R1, 1) - (R1 - R0) * C0
+        kind = np.where(n_allowed == 0, EMPTY, PARTIAL)
+        kind = np.where((n_above == 0) & (n_allowed == below_or_on) & (n_allowed > 0), CAUSAL, kind)
+        kind = np.where(n_allowed == area, FULL, kind)
+        grid[t_row * width + (t_col - j0)] = kind
+        return grid.reshape(n_rows, width), j0
+
+
+def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> np.ndarray:
+    """Tile kinds as a flat int8 grid [B * nq * nk] (one band over the whole grid)."""
+    problem = _Problem(rules, t, block_m, block_n)
+    grid, _ = problem.classify(0, problem.n_rows, narrow=False)
+    return grid.reshape(-1)
+
+
+def _available_bytes() -> int | None:
+    """Memory this process may still take: MemAvailable, capped by a cgroup (v2 or v1) limit and
+    RLIMIT_AS / RLIMIT_DATA. None where none of them can be read."""
+    import resource
+
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                text = f.read().strip()
+            if text != "max" and int(text) < 1 << 60:
+                with open(usage_path) as f:
+                    limits.append(int(text) - int(f.read().strip()))
+                break
+        except (OSError, ValueError):
+            continue
+    for which in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+        soft, _ = resource.getrlimit(which)
+        if soft != resource.RLIM_INFINITY:
+            try:
+                with open("/proc/self/statm") as f:
+                    used = int(f.read().split()[0]) * resource.getpagesize()
+            except (OSError, ValueError):
+                used = 0
+            limits.append(soft - used)
+    return max(min(limits), 0) if limits else None
+
+
+def _check_memory(problem: _Problem, banded: bool, available: int | None = None) -> None:
+    """Raise PlanMemoryError, before the big allocations, when the plan would not fit in memory."""
+    visited = problem.visited_bound()
+    need = visited * BYTES_PER_TILE + (CHUNK_BYTES if banded else 64 * problem.n_rows * problem.nk)
+    if available is None and need < CHECK_FROM:
+        return  # (reading the limits costs more than a small plan)
+    available = _available_bytes() if available is None else available
+    if available is None or need <= available:
+        return
+    B, S = problem.B, problem.S
+    element = f"{S:,} tokens" + (f" x {B}" if B > 1 else "")
+    raise PlanMemoryError(
+        f"planning {element} with {problem.block_m}x{problem.block_n} tiles needs about {need / 2**30:.1f} GiB "
+        f"(up to {visited:,} visited tiles) but {available / 2**30:.1f} GiB is available; use larger tiles "
+        f"(block_m/block_n 256), a shorter layout, or plan on a GPU (omnigen.plan(..., device='cuda'))"
+    )
+
+
+def _schedules_banded(problem: _Problem, bands: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+    """The four schedules, classifying one band of q-tile rows at a time: peak memory ~16 bytes per
+    visited tile plus one band's temporaries.
+
+    Forward: each band's rows are grouped as in `_grouped` and their kv-tiles appended. Backward: a
+    kv-tile column lists its q-tiles in ascending order, and bands come in ascending row order, so
+    each band's entries per (column, kind) are a run that follows the previous bands' runs; they are
+    kept per band (with their run sizes) until the column totals fix the pointers, then placed."""
+    B, nq, nk = problem.B, problem.nq, problem.nk
+    R, C = B * nq, B * nk
+    fwd_counts = np.zeros(3 * R, dtype=np.int64)
+    col_counts = np.zeros(3 * C, dtype=np.int64)
+    fwd_parts: list[np.ndarray] = []
+    bwd_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for ra, rb in bands:
+        grid, j0 = problem.classify(ra, rb, narrow=True)
+        width = grid.shape[1]
+        ptr, kv = _grouped(grid)
+        fwd_parts.append(kv + np.int32(j0))
+        fwd_counts[3 * ra : 3 * rb] = np.diff(ptr)
+        # Backward runs, per batch element the band touches: [rows of that element, width] transposed.
+        edges = sorted({ra, rb, *range((ra // nq + 1) * nq, rb, nq)})
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            b = lo // nq
+            tptr, q = _grouped(np.ascontiguousarray(grid[lo - ra : hi - ra].T))
+            q += np.int32(lo - b * nq)
+            sizes = np.diff(tptr)
+            keys = 3 * (b * nk + j0) + np.arange(3 * width)
+            col_counts[keys] += sizes
+            bwd_parts.append((keys, sizes, q))
+        del grid
+    fwd_ptr = np.zeros(3 * R + 1, dtype=np.int32)
+    np.cumsum(fwd_counts, out=fwd_ptr[1:])
+    fwd_kv = np.concatenate(fwd_parts) if fwd_parts else np.zeros(0, dtype=np.int32)
+    del fwd_parts
+    bwd_ptr = np.zeros(3 * C + 1, dtype=np.int32)
+    np.cumsum(col_counts, out=bwd_ptr[1:])
+    bwd_q = np.empty(int(bwd_ptr[-1]), dtype=np.int32)
+    cursor = bwd_ptr[:-1].astype(np.int64)
+    bwd_parts.reverse()
+    while bwd_parts:
+        keys, sizes, q = bwd_parts.pop()
+        source = np.cumsum(sizes) - sizes
+        shift = cursor[keys] - source
+        cursor[keys] += sizes
+        bwd_q[np.arange(q.shape[0]) + np.repeat(shift, sizes)] = q
+    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q
 
 
 def _schedules(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

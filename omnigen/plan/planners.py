@@ -1,14 +1,39 @@
-"""Which planner runs (the Triton one where it can) and the tile-size check: shared by `plan()` and masks."""
+"""Which planner runs (the Triton one where it can), the tile-size and device checks: shared by `plan()`
+and masks."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+
+from ..errors import cuda_problem
 
 
 def _check_block(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16:
         raise ValueError(f"{name} must be a positive multiple of 16, not {value!r}")
     return value
+
+
+def _check_device(device: Any) -> torch.device:
+    """`device` as a torch.device that exists here, else a ValueError saying what to do."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device: pass 'cpu' (the default), 'cuda', 'cuda:N' "
+                         f"or a torch.device ({str(exc).splitlines()[0].rstrip(' -')})") from None
+    if device.type == "cuda":
+        problem = cuda_problem()
+        if problem:
+            raise ValueError(f"device={str(device)!r}: {problem}; plan on the CPU with device='cpu' (the default), "
+                             f"which gives the same plan") from None
+        if device.index is not None and device.index >= torch.cuda.device_count():  # (cached by torch)
+            raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are "
+                             f"visible (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    return device
 
 
 def _gpu_planner():

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from ..layout import LayoutTables
-from ..mask import KIND_NAMES, SCHEDULE_KINDS
+from ..semantics import KIND_NAMES, SCHEDULE_KINDS
 
 
 @dataclass
@@ -61,20 +61,24 @@ class Plan:
     def device(self) -> torch.device:
         return self.fwd_kv.device
 
-    def _tile_list(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q-tile row r, kv-tile j, kind) for every visited tile, in forward-schedule order."""
-        per_group = (self.fwd_ptr[1:] - self.fwd_ptr[:-1]).long()
-        group = torch.repeat_interleave(torch.arange(per_group.numel(), device=self.device), per_group)
-        kinds = torch.tensor(SCHEDULE_KINDS, dtype=torch.int8, device=self.device)
-        return group // 3, self.fwd_kv.long(), kinds[group % 3]
-
     @property
     def kinds(self) -> torch.Tensor:
-        """Dense tile kinds, int8 [nq, nk] (or [B, nq, nk] for a batch): 0 empty 1 full 2 causal 3 partial."""
-        rows, cols, kinds = self._tile_list()
+        """Dense tile kinds, int8 [nq, nk] (or [B, nq, nk] for a batch): 0 empty 1 full 2 causal 3 partial.
+
+        Made on demand from the forward schedule, a band of q-tile rows at a time (so its temporaries
+        stay small next to the int8 result, even for a million-token plan)."""
         nq, nk = self.num_q_tiles, self.num_kv_tiles
-        dense = torch.zeros(self.batch_size * nq * nk, dtype=torch.int8, device=self.device)
-        dense[rows * nk + cols] = kinds
+        rows = self.batch_size * nq
+        dense = torch.zeros(rows * nk, dtype=torch.int8, device=self.device)
+        kinds = torch.tensor(SCHEDULE_KINDS, dtype=torch.int8, device=self.device)
+        ptr = self.fwd_ptr.long()
+        band = max(1, (1 << 22) // max(nk, 1))
+        for ra in range(0, rows, band):
+            rb = min(rows, ra + band)
+            per_group = ptr[3 * ra + 1 : 3 * rb + 1] - ptr[3 * ra : 3 * rb]
+            group = torch.repeat_interleave(torch.arange(3 * ra, 3 * rb, device=self.device), per_group)
+            cols = self.fwd_kv[int(ptr[3 * ra]) : int(ptr[3 * rb])].long()
+            dense[(group // 3) * nk + cols] = kinds[group % 3]
         dense = dense.view(self.batch_size, nq, nk)
         return dense if self.batched else dense[0]
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...targets import KernelConfig, TileConfig
-from .. import launch
+from ...targets import KernelConfig
 from ..family import KernelFamily
 from . import resources, space
 
@@ -19,24 +18,8 @@ class Sm80Family(KernelFamily):
     sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}
     forward_kernel = "forward_kernel"
     backward_kernel = "dkdv_kernel"  # the tuned backward (atomic dQ) is this kernel plus the small Delta one
-
-    def problems(self, config: KernelConfig) -> list[str]:
-        return resources.Resources(config).problems()
-
-    def backward_problems(self, config: KernelConfig) -> list[str]:
-        return resources.Resources(config).backward_problems()
-
-    def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:
-        return resources.excess_spill_bytes(kernel_name, figures)
-
-    def describe_resources(self, config: KernelConfig) -> str:
-        return f"{resources.Resources(config).shared_memory_bytes // 1024} KB smem, {config.threads} threads"
-
-    def default_tile(self, head_dim: int) -> TileConfig:
-        return resources.default_tile(head_dim)
-
-    def candidate_tiles(self, head_dim: int) -> tuple[TileConfig, ...]:
-        return space.DEFAULT_SPACE.get(head_dim, (resources.default_tile(head_dim),))
+    resources = resources
+    space = space
 
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
@@ -72,12 +55,6 @@ class Sm80Family(KernelFamily):
             "dq_threads": 32 * r.dq_warps,
             "dq_shared_bytes": r.dq_shared_bytes,
         }
-
-    def forward(self, module, plan, q, k, v, scale):
-        return launch.forward_pass(module, plan, q, k, v, scale)
-
-    def backward(self, module, plan, q, k, v, out, lse, d_out, scale, deterministic=False):
-        return launch.backward_pass(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
 
 
 FAMILY = Sm80Family()

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...targets import KernelConfig, TileConfig
-from .. import launch
+from ...targets import KernelConfig
 from ..family import KERNELS_DIR, KernelFamily
 from ..sm80 import FAMILY as SM80
 from . import resources, space
@@ -21,6 +20,8 @@ class Sm90Family(KernelFamily):
     sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}  # backward.cu.j2: sm80's
     forward_kernel = "forward_kernel"
     backward_kernel = "dkdv_kernel"
+    resources = resources
+    space = space
 
     @property
     def template_dirs(self):
@@ -29,24 +30,6 @@ class Sm90Family(KernelFamily):
     @property
     def include_dirs(self):
         return (*super().include_dirs, KERNELS_DIR / "sm80" / "include")
-
-    def problems(self, config: KernelConfig) -> list[str]:
-        return resources.Resources(config).problems()
-
-    def backward_problems(self, config: KernelConfig) -> list[str]:
-        return resources.Resources(config).backward_problems()
-
-    def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:
-        return resources.excess_spill_bytes(kernel_name, figures)
-
-    def describe_resources(self, config: KernelConfig) -> str:
-        return f"{resources.Resources(config).shared_memory_bytes // 1024} KB smem, {config.threads} threads"
-
-    def default_tile(self, head_dim: int) -> TileConfig:
-        return resources.default_tile(head_dim)
-
-    def candidate_tiles(self, head_dim: int) -> tuple[TileConfig, ...]:
-        return space.DEFAULT_SPACE.get(head_dim, (resources.default_tile(head_dim),))
 
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
@@ -61,12 +44,6 @@ class Sm90Family(KernelFamily):
             "pingpong": resources.PINGPONG,
         })
         return context
-
-    def forward(self, module, plan, q, k, v, scale):
-        return launch.forward_pass(module, plan, q, k, v, scale)
-
-    def backward(self, module, plan, q, k, v, out, lse, d_out, scale, deterministic=False):
-        return launch.backward_pass(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
 
 
 FAMILY = Sm90Family()
