@@ -1,6 +1,6 @@
 """Time omnigen's forward and backward per pinned tile, for kernel work on one GPU.
 
-bench_attention.py compares omnigen with its peers at the tuned tiles; this script holds the tile fixed
+`omnigen bench` compares omnigen with its peers at the tuned tiles; this script holds the tile fixed
 so that two versions of the templates can be compared (run it once per source tree, e.g.
 `PYTHONPATH=old-tree python3 scripts/bench_backward.py` and `PYTHONPATH=. python3 ...`, each with its own
 OMNIGEN_CACHE_DIR). Workload as in bench_attention: Transfusion layouts (or the plain causal mask),
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
-from bench_attention import CAUSAL, TRANSFUSION, bench, random_inputs, standard_batch  # noqa: E402
+from kernel_workload import CAUSAL, TRANSFUSION, bench, build, random_inputs, standard_batch  # noqa: E402
 
 
 def parse_tile(text: str) -> omnigen.TileConfig:
@@ -52,7 +52,7 @@ def main() -> None:
                 flops = 4.0 * dim * pairs * args.heads
                 q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0)
                 for tile in args.tiles:
-                    kernel = omnigen.build(rules, dim, torch.bfloat16, tile=tile, family=args.family)
+                    kernel = build(rules, dim, tile, args.family)
                     forward_ms = bench(lambda: kernel(q, k, v, layout))
                     both_ms = bench(lambda: torch.autograd.grad(kernel(q, k, v, layout), (q, k, v), d_o))
                     backward_ms = both_ms - forward_ms

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
-from bench_attention import CAUSAL, TRANSFUSION, bench, random_inputs, standard_batch  # noqa: E402
+from kernel_workload import CAUSAL, TRANSFUSION, bench, build, random_inputs, standard_batch  # noqa: E402
 from bench_backward import parse_tile  # noqa: E402
 
 
@@ -67,7 +66,7 @@ def main() -> None:
                 flops = 4.0 * dim * pairs * args.heads
                 for family, tile in args.variants:
                     try:
-                        kernel = omnigen.build(rules, dim, torch.bfloat16, tile=tile, family=family)
+                        kernel = build(rules, dim, tile, family)
                     except ValueError as exc:
                         print(f"{rules_name:<12} {dim:>4} {S:>6} {family}:{tile.label:<16} skipped: {exc}")
                         continue

@@ -12,13 +12,22 @@ import torch
 import omnigen
 from omnigen import tune
 from omnigen.jit import cache
+from omnigen.kernels import launch as kernel_launch
 from omnigen.op import kernel as ops
 from omnigen.tune import db as tune_db
 from omnigen.targets import KernelConfig
 from omnigen.reference import attention_reference, attention_reference_grads
 from omnigen.targets import TileConfig
 
-TILES = [TileConfig(128, 64, 4, 2), TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2)]
+def _tiles() -> list[TileConfig]:
+    """Three tiles of the visible GPU's own kernel family, each with a backward and its own block_n."""
+    arch = omnigen.jit.toolchain.visible_gpu_arch() if torch.cuda.is_available() else None
+    if arch is not None and omnigen.kernels.family_of(arch).name == "sm90":
+        return [TileConfig(128, 128, 12, 2), TileConfig(128, 64, 12, 2), TileConfig(128, 192, 12, 2)]
+    return [TileConfig(128, 64, 4, 2), TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2)]
+
+
+TILES = _tiles()
 RULES = omnigen.Rules.from_dict({
     "name": "tunegpu", "modalities": {"text": {"self": "causal"}, "image": {"self": "full"}},
     "see": {"text -> image": "all"},
@@ -118,7 +127,7 @@ def test_a_fast_wrong_candidate_is_disqualified(private_cache, monkeypatch):
     job = tune.prepare(RULES, [64], ["bf16"], arch, tune_db.Device.current(), seq_lens=[1024], tokens=4096)
     tune.compile_candidates(job)
     wrong_tile = TILES[2]
-    real_forward = ops.forward_pass
+    real_forward = kernel_launch.forward_pass
 
     def sabotaged(module, p, q, k, v, scale):
         out, lse = real_forward(module, p, q, k, v, scale)
@@ -126,7 +135,7 @@ def test_a_fast_wrong_candidate_is_disqualified(private_cache, monkeypatch):
             out[..., : out.shape[-1] // 2] = 0
         return out, lse
 
-    monkeypatch.setattr(ops, "forward_pass", sabotaged)
+    monkeypatch.setattr(kernel_launch, "forward_pass", sabotaged)
     entries = tune.measure(job, rounds=2, reps=1, write=False)
     (entry,) = entries.values()
     row = next(r for r in entry["candidates"] if r["tile"] == wrong_tile.label)

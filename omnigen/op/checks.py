@@ -23,9 +23,10 @@ CPU_PATH = "for a float64 result on the CPU use omnigen.reference.attention_refe
 
 
 def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None,
-                    head_dim: int | None = None) -> list[str]:
+                    head_dim: int | None = None, known_head_dims: bool = True) -> list[str]:
     """Every problem of q, k, v (SDPA layout) and scale. `dtype` / `head_dim`: what a built kernel takes
-    (None: any dtype and head dim omnigen builds)."""
+    (None: any dtype, and with `known_head_dims` any head dim omnigen builds; without it the head dim is
+    left to the kernel's build, inside the op)."""
     problems: list[str] = []
     tensors = {}
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -62,7 +63,7 @@ def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None
         if head_dim is not None and D != head_dim:
             problems.append(f"head dim {D} was not built: this kernel has head_dim {head_dim} "
                             f"(build one with omnigen.build(rules, head_dim={D}, ...))")
-        elif head_dim is None and D not in HEAD_DIMS:
+        elif head_dim is None and known_head_dims and D not in HEAD_DIMS:
             problems.append(f"head dim {D} is not one omnigen builds (head dims: {', '.join(map(str, HEAD_DIMS))}); "
                             f"pad q, k and v to the next one")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -100,7 +101,7 @@ def input_problems(q, k, v, layout, rules, *, dtype: torch.dtype | None = None, 
 
 def check_tensors(q, k, v, scale: Any = None, dtype: torch.dtype | None = None, head_dim: int | None = None) -> float:
     """q, k, v as SDPA takes them (InputError naming every problem); returns the scale (default 1/sqrt(D))."""
-    problems = tensor_problems(q, k, v, scale, dtype, head_dim)
+    problems = tensor_problems(q, k, v, scale, dtype, head_dim, known_head_dims=False)
     if problems:
         raise InputError(problems)
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

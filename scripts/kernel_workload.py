@@ -1,0 +1,61 @@
+"""The pinned-tile scripts' workload and timer, written against omnigen's public API only (build, plan,
+Layout, Rules), so that one script times any source tree the same way (PYTHONPATH=tree).
+
+Workload as in DESIGN section 7: B * S = tokens, Transfusion-style layouts (text runs of 16-512 tokens,
+images of 256 or 1024) or one causal text run per sequence, bf16 inputs from a seeded generator.
+Timer: triton.testing.do_bench's median (warm-up 25 ms, 100 ms of runs), as the earlier runs used.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+import omnigen
+
+TRANSFUSION = omnigen.Rules(name="transfusion", modalities={"text": "causal", "image": "full"})
+CAUSAL = omnigen.Rules(name="causal", modalities={"text": "causal"})
+
+
+def transfusion_layout(seq_len: int, rng: random.Random) -> omnigen.Layout:
+    segments, used = [], 0
+    while used < seq_len:
+        text = min(rng.randint(16, 512), seq_len - used)
+        segments.append(("text", text))
+        used += text
+        image = min(rng.choice((256, 1024)), seq_len - used)
+        if image:
+            segments.append(("image", image))
+            used += image
+    return omnigen.Layout.from_segments(segments)
+
+
+def standard_batch(rules: omnigen.Rules, S: int, tokens: int, seed: int) -> tuple[int, omnigen.LayoutBatch]:
+    """(B, layouts): B = tokens // S sequences, each its own Transfusion layout, or one causal text run."""
+    rng = random.Random(seed)
+    B = max(1, tokens // S)
+    make = transfusion_layout if rules is TRANSFUSION else (lambda n, _: omnigen.Layout.from_segments([("text", n)]))
+    return B, omnigen.Layout.batch([make(S, rng) for _ in range(B)])
+
+
+def random_inputs(B: int, heads: int, S: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and dO, bf16 [B, heads, S, dim], never zeros."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def bench(fn: Callable) -> float:
+    """Median milliseconds of fn."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def build(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str | None):
+    """omnigen.build pinned to a tile (and a kernel family, where this tree knows families)."""
+    if family is None:
+        return omnigen.build(rules, dim, torch.bfloat16, tile=tile)
+    return omnigen.build(rules, dim, torch.bfloat16, tile=tile, family=family)
