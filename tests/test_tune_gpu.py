@@ -23,7 +23,7 @@ def _tiles() -> list[TileConfig]:
     """Three tiles of the visible GPU's own kernel family, each with a backward and its own block_n."""
     arch = omnigen.jit.toolchain.visible_gpu_arch() if torch.cuda.is_available() else None
     if arch is not None and omnigen.kernels.family_of(arch).name == "sm90":
-        return [TileConfig(128, 128, 12, 2), TileConfig(128, 64, 12, 2), TileConfig(128, 192, 12, 2)]
+        return [TileConfig(128, 128, 12, 2), TileConfig(128, 64, 12, 2), TileConfig(128, 32, 12, 2)]
     return [TileConfig(128, 64, 4, 2), TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 2)]
 
 

@@ -2,7 +2,7 @@
 
 from .family import DTYPE_NAMES, MAX_MODALITIES, TORCH_DTYPES, KernelFamily
 from .launch import kernel_ready
-from .registry import FAMILIES, backward_problems, check, default_tile, family_of, problems
+from .registry import FAMILIES, backward_problems, check, default_backward, default_tile, family_of, problems
 
 __all__ = ["DTYPE_NAMES", "FAMILIES", "MAX_MODALITIES", "TORCH_DTYPES", "KernelFamily", "backward_problems",
-           "check", "default_tile", "family_of", "kernel_ready", "problems"]
+           "check", "default_backward", "default_tile", "family_of", "kernel_ready", "problems"]

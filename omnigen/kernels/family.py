@@ -85,6 +85,11 @@ class KernelFamily(ABC):
         """The tiles the tuner compiles and times for a head dim (the default tile among them)."""
         return self.space.DEFAULT_SPACE.get(head_dim, (self.default_tile(head_dim),))
 
+    def default_backward(self, config: KernelConfig) -> KernelConfig:
+        """The variant an untuned kernel runs its backward with when `config` runs its forward (the
+        same one, unless the family's own backward is not the best it has)."""
+        return config
+
     # ---- code generation
 
     @abstractmethod

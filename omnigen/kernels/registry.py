@@ -37,3 +37,8 @@ def check(config: KernelConfig) -> None:
 
 def default_tile(arch: str, head_dim: int):
     return family_of(arch).default_tile(head_dim)
+
+
+def default_backward(config: KernelConfig) -> KernelConfig:
+    """The variant an untuned kernel whose forward is `config` runs its backward with."""
+    return family_of(config).default_backward(config)

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from ..jit import cache, toolchain
-from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check
+from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check, default_backward
 from ..layout import AnyLayout, Layout, LayoutBatch, as_layout
 from ..plan import Mask, Plan, make_mask, mask_from_plans, plan
 from ..rules import Rules, rules_for_key
@@ -67,13 +67,15 @@ class Kernel:
     """
 
     def __init__(self, rules: Rules, config: KernelConfig, module: Any,
-                 tuned: Mapping[int, tune_db.Choice] | None = None) -> None:
+                 tuned: Mapping[int, tune_db.Choice] | None = None, backward: KernelConfig | None = None) -> None:
         self.rules = rules
         self.config = config
         self.module = module
         self.tuned: dict[int, tune_db.Choice] = dict(tuned or {})
         self.dtype = TORCH_DTYPES[config.dtype]
-        self._untuned = tune_db.Choice(config, config)  # what choice() returns where nothing was tuned
+        # What choice() returns where nothing was tuned: a pinned variant runs both passes itself; the default
+        # one may run its backward elsewhere (kernels.default_backward: sm90 modules, sm80's backward).
+        self._untuned = tune_db.Choice(config, backward or config)
         self._modules: dict[KernelConfig, Any] = {config: module}
         self._plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._lock = threading.Lock()
@@ -252,7 +254,9 @@ def build(
         tuned = tuner.tune_kernel(rules, head_dim, config.dtype)
     else:
         tuned = _tuned_choices(rules, config) if tile is None and family is None else {}
-    return Kernel(rules, config, cache.get_module(rules, config), tuned=tuned)
+    pinned = tile is not None or family is not None
+    return Kernel(rules, config, cache.get_module(rules, config), tuned=tuned,
+                  backward=None if pinned else default_backward(config))
 
 
 def _tuned_choices(rules: Rules, config: KernelConfig) -> dict[int, tune_db.Choice]:
@@ -391,7 +395,8 @@ def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head
         for name in dtypes:
             configs = []
             try:
-                configs.append(tune_space.default_config(rules, d, name, arch or "sm_80"))
+                default = tune_space.default_config(rules, d, name, arch or "sm_80")
+                configs += [default, default_backward(default)]
             except ValueError:
                 pass
             if arch is not None:

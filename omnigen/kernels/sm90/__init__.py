@@ -31,6 +31,13 @@ class Sm90Family(KernelFamily):
     def include_dirs(self):
         return (*super().include_dirs, KERNELS_DIR / "sm80" / "include")
 
+    def default_backward(self, config: KernelConfig) -> KernelConfig:
+        """Until the Hopper backward exists: the sm80 family's own default variant (its backward at its
+        tuned-for tile, 128 x 64 with 4 warps), where one exists for the head dim; else this module's."""
+        fallback = KernelConfig(config.head_dim, config.dtype, config.arch, SM80.default_tile(config.head_dim),
+                                kernel_family=SM80.name)
+        return fallback if not (SM80.problems(fallback) or SM80.backward_problems(fallback)) else config
+
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
         context = SM80.render_context(r.sm80_backward_config())  # the backward kernels' keys
