@@ -50,20 +50,21 @@ def parse_variant(text: str) -> tuple[str, KernelConfig]:
 
 
 def preset(name: str) -> list[tuple[str, KernelConfig]]:
+    """The sm80 family's variants (on sm_90a too, where sm90 is the default family)."""
     out: list[tuple[str, KernelConfig]] = []
     if name == "tune":
         for arch in ("sm_80", "sm_90a"):
             for head_dim in (64, 128):
                 for tile in DEFAULT_SPACE[head_dim]:
-                    out.append(("transfusion", KernelConfig(head_dim, "bf16", arch, tile)))
-            out.append(("transfusion", KernelConfig(256, "bf16", arch, DEFAULT_TILE_D256)))
+                    out.append(("transfusion", KernelConfig(head_dim, "bf16", arch, tile, kernel_family="sm80")))
+            out.append(("transfusion", KernelConfig(256, "bf16", arch, DEFAULT_TILE_D256, kernel_family="sm80")))
         # the other template branches: fp16, isolated documents without images, sliding windows
-        out.append(("transfusion", KernelConfig(128, "fp16", "sm_90a", DEFAULT_TILE)))
-        out.append(("causal_documents", KernelConfig(128, "bf16", "sm_90a", DEFAULT_TILE)))
-        out.append(("sliding_window", KernelConfig(64, "fp16", "sm_80", DEFAULT_TILE)))
+        out.append(("transfusion", KernelConfig(128, "fp16", "sm_90a", DEFAULT_TILE, kernel_family="sm80")))
+        out.append(("causal_documents", KernelConfig(128, "bf16", "sm_90a", DEFAULT_TILE, kernel_family="sm80")))
+        out.append(("sliding_window", KernelConfig(64, "fp16", "sm_80", DEFAULT_TILE, kernel_family="sm80")))
     elif name == "hot":
         for head_dim in (64, 128):
-            out.append(("transfusion", KernelConfig(head_dim, "bf16", "sm_90a", DEFAULT_TILE)))
+            out.append(("transfusion", KernelConfig(head_dim, "bf16", "sm_90a", DEFAULT_TILE, kernel_family="sm80")))
     return out
 
 
@@ -148,7 +149,8 @@ def compile_variant(rules_name: str, config: KernelConfig, sass: bool, keep: Pat
 
 
 def key(entry: dict) -> str:
-    return f"{entry['rules']}:{entry['label']}"
+    # Labels name the sm80 family only where it is not the arch's own (sm_90a): the baseline predates sm90.
+    return f"{entry['rules']}:{entry['label'].removesuffix('_sm80')}"
 
 
 def fmt_figures(f: dict | None) -> str:
