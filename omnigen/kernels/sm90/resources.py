@@ -56,11 +56,14 @@ class Resources:
 
     @property
     def shared_storage_bytes(self) -> int:
-        """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, the barriers in the last 1 KB."""
+        """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, stages x 3 int32 key tables, then the
+        barriers (Q, and full + empty for K and V per stage), rounded up to the 1024-byte alignment."""
         t = self.config.tile
         q = t.block_m * 128 * self.boxes
         kv = t.block_n * 128 * self.boxes
-        return q + 2 * t.stages * kv + 1024  # barriers: Q, and full + empty for K and V per stage
+        tables = t.stages * 3 * t.block_n * 4
+        barriers = 8 * (1 + 4 * t.stages)
+        return -(-(q + 2 * t.stages * kv + tables + barriers) // 1024) * 1024
 
     @property
     def shared_memory_bytes(self) -> int:

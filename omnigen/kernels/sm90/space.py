@@ -14,6 +14,6 @@ def _tiles(*shapes: tuple[int, int]) -> tuple[TileConfig, ...]:
 # ones whose modules also carry the sm80 backward (it takes block_n of 16, 32 or a multiple of 64).
 DEFAULT_SPACE: dict[int, tuple[TileConfig, ...]] = {
     64: _tiles((128, 2), (176, 2), (192, 2), (128, 3)),
-    128: _tiles((128, 2), (128, 3), (160, 2), (64, 2)),
+    128: _tiles((128, 2), (160, 2), (96, 2), (64, 2)),
     256: _tiles((64, 2), (48, 2)),
 }

@@ -32,6 +32,15 @@ __device__ __forceinline__ void load_box(void* destination, const CUtensorMap* m
       : "memory");
 }
 
+// `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) into shared memory, completing
+// on `barrier` like a tensor copy: how the producer brings a kv-tile's per-token tables along.
+__device__ __forceinline__ void load_bytes(void* destination, const void* source, uint32_t bytes, uint64_t* barrier) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(shared_address(destination)), "l"(reinterpret_cast<uint64_t>(source)), "r"(bytes),
+                 "r"(shared_address(barrier))
+               : "memory");
+}
+
 // ---- host --------------------------------------------------------------------------------------
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
