@@ -58,8 +58,8 @@ def _targets(rules: Rules, archs: tuple[str, ...]) -> list[KernelConfig]:
     return usable
 
 
-TOLERATED_SPILL_NOTE = ("* spills within the kernel family's allowance (kernels/sm80/resources.py): per-tile values of the forward's partial "
-                        "path and per-step addresses of the backward's, none inside their mma loops")
+TOLERATED_SPILL_NOTE = ("* spills within the kernel family's allowance (kernels/<family>/resources.py): per-tile values of "
+                        "the forward's partial path and per-step addresses of the backward's, none inside their mma loops")
 
 
 def spill_text(ptxas: dict) -> str:
