@@ -1,4 +1,5 @@
-"""omnigen and SDPA flash on the same causal problem, twice each, for Nsight Compute.
+"""omnigen and an SDPA kernel (flash, or cuDNN with --peer cudnn) on the same causal problem, twice each,
+for Nsight Compute.
 
     ncu --clock-control none -k regex:"forward_kernel|flash_fwd" --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats ... python3 scripts/ncu_attention.py
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--backward", action="store_true", help="also run the backward passes")
+    parser.add_argument("--peer", choices=("flash", "cudnn"), default="flash", help="the SDPA backend beside omnigen")
     args = parser.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -37,7 +39,7 @@ def main() -> None:
         out = kernel(q, k, v, layout)
         if args.backward:
             out.backward(d_out)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if args.peer == "cudnn" else SDPBackend.FLASH_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         if args.backward:
             out.backward(d_out)
