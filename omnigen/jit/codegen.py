@@ -69,14 +69,19 @@ def template_digest(config: KernelConfig | None = None) -> str:
     """A hash of every template and header, or (given a variant) of those its family reads: editing one
     family's templates renames the other families' modules not at all."""
     if config is None:
-        selected = template_files()
-    else:
-        family = family_of(config)
-        roots = [d.relative_to(KERNELS_DIR).as_posix() + "/" for d in (*family.template_dirs, *family.include_dirs)]
-        selected = tuple((name, data) for name, data in template_files() if name.startswith(tuple(roots)))
+        return _digest(template_files(), None)
+    family = family_of(config)
+    roots = tuple(d.relative_to(KERNELS_DIR).as_posix() + "/" for d in (*family.template_dirs, *family.include_dirs))
+    return _digest(template_files(), roots)
+
+
+@lru_cache(maxsize=None)
+def _digest(files: tuple[tuple[str, bytes], ...], roots: tuple[str, ...] | None) -> str:
+    """Every module name and tuning stamp asks for a digest: hash the templates once per (files, family)."""
     digest = hashlib.sha256()
-    for name, data in selected:
-        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    for name, data in files:
+        if roots is None or name.startswith(roots):
+            digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return digest.hexdigest()
 
 

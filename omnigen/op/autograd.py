@@ -9,8 +9,6 @@ node too and eager and compiled gradients come from the same kernels.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .library import attention_backward_op, attention_op
@@ -18,10 +16,6 @@ from .library import attention_backward_op, attention_op
 # inputs of omnigen::attention, in order (the backward returns one gradient per input)
 _INPUTS = ("q", "k", "v", "schedules", "tiles", "token_segment", "token_modality", "token_doc", "kernel", "scale",
            "deterministic")
-
-
-def has_backward(module: Any) -> bool:
-    return bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward")))
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -99,12 +99,17 @@ def input_problems(q, k, v, layout, rules, *, dtype: torch.dtype | None = None, 
     return problems + found, layout
 
 
+def _scale(q: torch.Tensor, scale: Any) -> float:
+    """The softmax scale a checked call runs with: 1/sqrt(head dim) unless given."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
 def check_tensors(q, k, v, scale: Any = None, dtype: torch.dtype | None = None, head_dim: int | None = None) -> float:
     """q, k, v as SDPA takes them (InputError naming every problem); returns the scale (default 1/sqrt(D))."""
     problems = tensor_problems(q, k, v, scale, dtype, head_dim, known_head_dims=False)
     if problems:
         raise InputError(problems)
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _scale(q, scale)
 
 
 def check_call(q, k, v, layout, rules, scale: Any = None, dtype: torch.dtype | None = None,
@@ -113,7 +118,7 @@ def check_call(q, k, v, layout, rules, scale: Any = None, dtype: torch.dtype | N
     problems, _ = input_problems(q, k, v, layout, rules, dtype=dtype, head_dim=head_dim, scale=scale)
     if problems:
         raise InputError(problems)
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _scale(q, scale)
 
 
 def check_layout_against(layout: Any, rules: Any, batch: int, seq_len: int) -> None:

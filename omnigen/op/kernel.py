@@ -30,10 +30,32 @@ from ..tune import db as tune_db
 from ..tune import space as tune_space
 from . import autograd  # noqa: F401  (registers the op's backward)
 from . import library
-from .autograd import has_backward
+from .library import has_backward
 from .checks import check_call, check_layout_against, check_mask, check_tensors
 
 _PLAN_CACHE_SIZE = 16
+
+
+class _Recent:
+    """The last few values made for keys (a layout coming back reuses its plan or mask), thread-safe."""
+
+    def __init__(self, size: int = _PLAN_CACHE_SIZE) -> None:
+        self._size = size
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_or_make(self, key: tuple, make) -> Any:
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+                return found
+        made = make()  # outside the lock: planning may take a while
+        with self._lock:
+            self._items[key] = made
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return made
 
 
 def _disable(fn, reason: str):
@@ -77,12 +99,11 @@ class Kernel:
         # one may run its backward elsewhere (kernels.default_backward: sm90 modules, sm80's backward).
         self._untuned = tune_db.Choice(config, backward or config)
         self._modules: dict[KernelConfig, Any] = {config: module}
-        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
-        self._lock = threading.Lock()
+        self._plans = _Recent()
+        self._masks = _Recent()
         self._module_lock = threading.Lock()
         self.tuning_generation = tune_db.generation()  # the database as this kernel read it
         self.rules_key = rules.key
-        self._masks: OrderedDict[tuple, Mask] = OrderedDict()
         self.key = library.register_kernel(self, getattr(module, "MODULE_NAME", "kernel"))  # the op's handle
 
     @property
@@ -114,20 +135,9 @@ class Kernel:
 
         A plan depends only on block_m x block_n, so configs that differ in warps or stages share one."""
         tile = tile or self.config.tile
-        if isinstance(layout, Layout) and batch > 1:
-            layout = LayoutBatch([layout] * batch)
-        key = (layout, batch, device, tile.block_m, tile.block_n)
-        with self._lock:
-            found = self._plans.get(key)
-            if found is not None:
-                self._plans.move_to_end(key)
-                return found
-        made = plan(self.rules, layout, tile.block_m, tile.block_n, device=device)
-        with self._lock:
-            self._plans[key] = made
-            while len(self._plans) > _PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        return made
+        layout = _batched(layout, batch)
+        return self._plans.get_or_make((layout, batch, device, tile.block_m, tile.block_n),
+                                       lambda: plan(self.rules, layout, tile.block_m, tile.block_n, device=device))
 
     def tile_shapes(self, seq_len: int) -> list[tuple[int, int]]:
         """The (block_m, block_n) shapes a call of this sequence length runs: forward's, then backward's."""
@@ -146,19 +156,10 @@ class Kernel:
     def _mask_for_layout(self, layout: AnyLayout, batch: int, device: torch.device) -> Mask:
         """A plain layout planned for this call's tile shapes (eager; kept while the same layout returns)."""
         shapes = tuple(self.tile_shapes(layout.seq_len))
-        key = (layout, batch, device, shapes)
-        with self._lock:
-            found = self._masks.get(key)
-            if found is not None:
-                self._masks.move_to_end(key)
-                return found
-        plans = [self.plan(layout, batch, device, TileConfig(m, n)) for m, n in shapes]
-        made = mask_from_plans(self.rules, _batched(layout, batch), plans)
-        with self._lock:
-            self._masks[key] = made
-            while len(self._masks) > _PLAN_CACHE_SIZE:
-                self._masks.popitem(last=False)
-        return made
+        return self._masks.get_or_make(
+            (layout, batch, device, shapes),
+            lambda: mask_from_plans(self.rules, _batched(layout, batch),
+                                    [self.plan(layout, batch, device, TileConfig(m, n)) for m, n in shapes]))
 
     def __call__(
         self,
@@ -390,6 +391,12 @@ def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
     dtypes = [DTYPE_NAMES[dtype]] if dtype is not None else list(spec.dtypes if spec else ("bf16", "fp16"))
     arch = toolchain.visible_gpu_arch() if device.type == "cuda" else None
+    tuned_on = database = None
+    if arch is not None:
+        try:  # read once: a mask is made per batch
+            tuned_on, database = tune_db.Device.current(device), cache.read_tuning_db()
+        except Exception:  # no toolchain: the default tiles only
+            arch = None
     shapes: list[tuple[int, int]] = []
     for d in head_dims:
         for name in dtypes:
@@ -400,10 +407,8 @@ def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head
             except ValueError:
                 pass
             if arch is not None:
-                try:
-                    found = tune_db.nearest(tune_db.lookup(tune_db.Device.current(device), rules, name, d, arch), seq_len)
-                except Exception:  # no toolchain, unreadable database: the default tiles only
-                    found = None
+                entries = tune_db.entries_for(tuned_on, rules, name, d, database)
+                found = tune_db.nearest(tune_db.choices(entries, d, name, arch), seq_len)
                 if found is not None:
                     configs += [found.forward, found.backward]
             shapes += [(c.tile.block_m, c.tile.block_n) for c in configs]

@@ -67,6 +67,11 @@ def resolve(kernel: str, q: torch.Tensor) -> Any:
     raise ValueError(f"omnigen::attention: kernel must be 'kernel:<key>' or 'rules:<key>', not {kernel!r}")
 
 
+def has_backward(module: Any) -> bool:
+    """Whether a built module carries backward kernels (older modules without the flag: a `backward`)."""
+    return bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward")))
+
+
 class TokenTables(NamedTuple):
     """The per-token tables a launch reads (the attributes of LayoutTables that kernels use)."""
 
@@ -167,7 +172,7 @@ def attention_backward_op(
     found = resolve(kernel, q)
     config = found.choice(q.shape[2]).backward
     module = found.module_for(config)
-    if not bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))):
+    if not has_backward(module):
         raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
                            f"{getattr(module, 'BACKWARD_PROBLEM', None) or 'rebuild with a newer omnigen'}")
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
