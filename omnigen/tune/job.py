@@ -36,8 +36,6 @@ DEFAULT_SEQ_LENS = (1024, 2048, 4096, 8192, 16384, 32768)
 HEADS = 16
 SYNTHETIC_WORKLOAD = "synthetic-v1"
 
-Progress = Callable[[int], None]
-
 
 @dataclass
 class ShapeSpace:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...targets import KernelConfig
-from ..family import KERNELS_DIR, KernelFamily
+from ..family import KernelFamily
 from ..sm80 import FAMILY as SM80
 from . import resources, space
 
@@ -25,11 +25,11 @@ class Sm90Family(KernelFamily):
 
     @property
     def template_dirs(self):
-        return (self.directory / "templates", KERNELS_DIR / "sm80" / "templates", *super().template_dirs[1:])
+        return (self.directory / "templates", SM80.directory / "templates", *super().template_dirs[1:])
 
     @property
     def include_dirs(self):
-        return (*super().include_dirs, KERNELS_DIR / "sm80" / "include")
+        return (*super().include_dirs, SM80.directory / "include")
 
     def default_backward(self, config: KernelConfig) -> KernelConfig:
         """Until the Hopper backward exists: the sm80 family's own default variant (its backward at its
