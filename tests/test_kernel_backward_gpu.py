@@ -30,6 +30,7 @@ from omnigen.jit import cache
 from omnigen.kernels.launch import launch_backward, launch_delta, launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
+from omnigen.kernels.sm90 import resources as sm90_resources
 from omnigen.targets import KernelConfig, TileConfig
 from omnigen.reference import attention_reference_grads
 from omnigen.jit.toolchain import kernel_log, visible_gpu_arch
@@ -58,16 +59,25 @@ WIDE_TILE = TileConfig(block_m=128, block_n=128, warps=8, stages=2)
 OTHER_TILES = [(64, WIDE_TILE), (128, WIDE_TILE), (64, TileConfig(block_m=64, block_n=64, warps=4, stages=2))]
 
 
-def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None) -> KernelConfig:
-    """An sm80-family variant (on a Hopper GPU too: its modules carry the same backward as sm90's)."""
-    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default_tile(head_dim),
-                        kernel_family="sm80")
+def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None, family: str = "sm80") -> KernelConfig:
+    """A variant of the family (sm80 runs on a Hopper GPU too; sm90 modules run the Hopper backward where it
+    covers the tile and their carried sm80 backward elsewhere and in deterministic mode)."""
+    default = sm90_resources.default_tile(head_dim) if family == "sm90" else default_tile(head_dim)
+    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default, kernel_family=family)
 
 
-def _module(rules: omnigen.Rules, head_dim: int, dtype: str, tile: TileConfig | None = None):
+def _module(rules: omnigen.Rules, head_dim: int, dtype: str, tile: TileConfig | None = None, family: str = "sm80"):
     arch = visible_gpu_arch()
     assert arch is not None, "this GPU's arch is not one omnigen builds for"
-    return cache.get_module(rules, _config(head_dim, dtype, arch, tile))
+    return cache.get_module(rules, _config(head_dim, dtype, arch, tile, family))
+
+
+def _skip_unless_family_runs(family: str) -> None:
+    if family == "sm90" and visible_gpu_arch() != "sm_90a":
+        pytest.skip("the sm90 family runs on Hopper (sm_90a) only")
+
+
+FAMILIES = ["sm80", "sm90"]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +88,8 @@ def built_variants():
               (MIXED, 128, "bf16", None), (TRANSFUSION, 256, "bf16", None)]
     needed += [(TRANSFUSION, d, "bf16", tile) for d, tile in OTHER_TILES]
     configs = [(r, _config(d, t, arch, tile)) for r, d, t, tile in needed]
+    if arch == "sm_90a":
+        configs += [(r, _config(d, t, arch, None, "sm90")) for r, d, t, tile in needed if tile is None and d != 256]
     cache.build_variants([cache.variant(r, c) for r, c in configs if not kernels.problems(c)])
 
 
@@ -157,8 +169,8 @@ def _max_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours.double() - reference).abs().max()) if reference.numel() else 0.0
 
 
-def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None):
-    module = _module(rules, head_dim, dtype, tile)
+def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None, family="sm80"):
+    module = _module(rules, head_dim, dtype, tile, family)
     assert module.HAS_BACKWARD and module.BACKWARD_PROBLEM is None
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
     layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
@@ -197,7 +209,7 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
         assert error <= 2 * torch_error + floor, (
             f"{name} d{head_dim} {dtype}: {label} error {error:.3e} > 2 x torch's {torch_error:.3e} + {floor:.2e}")
     mode = "deterministic" if deterministic else "atomic"
-    print(f"{name} d{head_dim} {dtype} {module.CONFIG['block_m']}x{module.CONFIG['block_n']} {mode}: " + ", ".join(report))
+    print(f"{name} d{head_dim} {dtype} {family} {module.CONFIG['block_m']}x{module.CONFIG['block_n']} {mode}: " + ", ".join(report))
     return dq, dk, dv
 
 
@@ -205,16 +217,30 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
 # tests
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head_dim,dtype", VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_backward_matches_reference(built_variants, case, head_dim, dtype):
+def test_backward_matches_reference(built_variants, case, head_dim, dtype, family):
     name, rules, layout_texts, Hq, Hkv = case
+    _skip_unless_family_runs(family)
     if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
         pytest.skip("the mixed rules are built for one variant only")
     _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
-                deterministic=False, name=name)
+                deterministic=False, name=name, family=family)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_deterministic_mode_runs_the_carried_sm80_backward(built_variants, case):
+    """Deterministic mode of an sm90 module: the sm80 backward it carries (a dQ kernel per q-tile, no atomics)."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=True,
+                name=name, family="sm90")
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
@@ -302,15 +328,17 @@ def _timed(fn):
     return median_ms(fn, reps=10) / 1e3  # seconds
 
 
-@pytest.mark.parametrize("head_dim,tile", [(128, None), (128, WIDE_TILE), (64, None)],
-                         ids=["d128", "d128_m128n128w8", "d64"])
+@pytest.mark.parametrize("head_dim,tile,family", [(128, None, "sm80"), (128, WIDE_TILE, "sm80"), (64, None, "sm80"),
+                                                (128, None, "sm90"), (64, None, "sm90")],
+                         ids=["d128", "d128_m128n128w8", "d64", "d128_sm90", "d64_sm90"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_backward_speed_report(built_variants, head_dim, tile):
+def test_backward_speed_report(built_variants, head_dim, tile, family):
     """Not a benchmark (benchmarks/ has those): one rough figure per run, printed."""
-    if kernels.problems(_config(head_dim, "bf16", visible_gpu_arch(), tile)):
+    _skip_unless_family_runs(family)
+    if kernels.problems(_config(head_dim, "bf16", visible_gpu_arch(), tile, family)):
         pytest.skip("tile not buildable on this GPU")
-    module = _module(TRANSFUSION, head_dim, "bf16", tile)
+    module = _module(TRANSFUSION, head_dim, "bf16", tile, family)
     segments = []
     while sum(n for _, n in segments) < 8192 - 512:
         segments += [("text", 200), ("image", 256)]
@@ -340,7 +368,7 @@ def test_backward_speed_report(built_variants, head_dim, tile):
     causal = _timed(lambda: torch.autograd.grad(out, (qq, kk, vv), d_o, retain_graph=True))
     flops = 2.5 * 4 * D * plan.allowed_pairs * H  # backward = 2.5 x forward (DESIGN section 7: fwd+bwd = 3.5 x)
     causal_flops = 2.5 * 4 * D * B * H * S * (S + 1) / 2
-    print(f"transfusion S=8192 B=4 H=16 D={D} tile {module.BLOCK_M}x{module.BLOCK_N}: forward {forward * 1e3:.2f} ms "
+    print(f"transfusion S=8192 B=4 H=16 D={D} {family} tile {module.BLOCK_M}x{module.BLOCK_N}: forward {forward * 1e3:.2f} ms "
           f"({flops / 2.5 / forward / 1e12:.0f} TFLOP/s); backward atomic {atomic * 1e3:.2f} ms "
           f"({flops / atomic / 1e12:.0f} TFLOP/s effective), deterministic {deterministic * 1e3:.2f} ms "
           f"({flops / deterministic / 1e12:.0f}), Delta {delta_time * 1e3:.3f} ms; density {plan.density:.2f}; "

@@ -54,6 +54,11 @@ class KernelFamily(ABC):
         return (self.directory / "templates", COMMON_TEMPLATES)
 
     @property
+    def borrowed_templates(self) -> dict[str, Path]:
+        """Other families' template folders this family's templates include by prefix ("sm80/backward.cu.j2")."""
+        return {}
+
+    @property
     def include_dirs(self) -> tuple[Path, ...]:
         return (COMMON_INCLUDE, self.directory / "include")
 

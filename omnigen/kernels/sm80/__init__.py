@@ -26,6 +26,7 @@ class Sm80Family(KernelFamily):
         t = config.tile
         backward_problems = r.backward_problems()
         return {
+            "backward_entry": "backward_launch",  # the sm90 family's modules carry this backward under another name
             "warps": t.warps,
             "stages": t.stages,
             "shared_bytes": r.shared_memory_bytes,

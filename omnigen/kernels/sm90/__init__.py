@@ -1,8 +1,9 @@
 """The sm90 family: Hopper's own machinery (TMA, mbarriers, wgmma, warp specialisation), sm_90a only.
 
-`resources` says which variants fit, `space` which tiles the tuner tries; templates/ holds the forward,
-include/omnigen/sm90/ the barrier, TMA and wgmma primitives. Until the Hopper backward exists, a module
-carries the sm80 family's backward kernels for the same plan tile (rendered from sm80's template).
+`resources` says which variants fit, `space` which tiles the tuner tries; templates/ holds the forward and
+the Hopper backward, include/omnigen/sm90/ the barrier, TMA and wgmma primitives. A module also carries the
+sm80 family's backward for the same plan tile (rendered from sm80's template): deterministic mode runs it,
+and so do the tiles and head dims the Hopper backward does not cover (resources.hopper_backward_problems).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from . import resources, space
 
 class Sm90Family(KernelFamily):
     name = "sm90"
-    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}  # backward.cu.j2: sm80's
+    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}
     forward_kernel = "forward_kernel"
-    backward_kernel = "dkdv_kernel"
+    backward_kernel = "hopper_dkdv_kernel"
     resources = resources
     space = space
 
@@ -28,18 +29,30 @@ class Sm90Family(KernelFamily):
         return (self.directory / "templates", SM80.directory / "templates", *super().template_dirs[1:])
 
     @property
+    def borrowed_templates(self):
+        return {SM80.name: SM80.directory / "templates"}
+
+    @property
     def include_dirs(self):
         return (*super().include_dirs, SM80.directory / "include")
 
     def default_backward(self, config: KernelConfig) -> KernelConfig:
-        """Until the Hopper backward exists: the sm80 family's own default variant (its backward at its
-        tuned-for tile, 128 x 64 with 4 warps), where one exists for the head dim; else this module's."""
+        """The Hopper backward: this variant's when it covers the tile, else the default tile's when it covers
+        the head dim; else the sm80 family's own default variant (its backward at its tuned-for tile, 128 x 64
+        with 4 warps), where one exists for the head dim; else this module's."""
+        if not resources.Resources(config).hopper_backward_problems():
+            return config
+        tile = resources.default_tile(config.head_dim)
+        default = KernelConfig(config.head_dim, config.dtype, config.arch, tile, kernel_family=config.kernel_family)
+        if not (self.problems(default) or resources.Resources(default).hopper_backward_problems()):
+            return default
         fallback = KernelConfig(config.head_dim, config.dtype, config.arch, SM80.default_tile(config.head_dim),
                                 kernel_family=SM80.name)
         return fallback if not (SM80.problems(fallback) or SM80.backward_problems(fallback)) else config
 
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
+        hopper_problems = r.hopper_backward_problems()
         context = SM80.render_context(r.sm80_backward_config())  # the backward kernels' keys
         context.update({
             "warps": config.tile.warps,
@@ -49,6 +62,14 @@ class Sm90Family(KernelFamily):
             "producer_registers": resources.PRODUCER_REGISTERS,
             "consumer_registers": resources.CONSUMER_REGISTERS,
             "pingpong": resources.PINGPONG,
+            "backward_entry": "sm80_backward_launch",
+            "hopper_backward": not hopper_problems,
+            "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),
+            "hopper_step_rows": resources.HOPPER_STEP_ROWS,
+            "hopper_stages": resources.HOPPER_STAGES,
+            "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,
+            "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
+            "hopper_shared_bytes": r.hopper_shared_storage_bytes,
         })
         return context
 

@@ -22,6 +22,14 @@ CONSUMER_REGISTERS = 232  # 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536
 # Scores (block_n / 2), output (head_dim / 2) and P (block_n / 4) fp32/packed registers per consumer
 # thread must leave room for addresses, softmax state and the mask tables under CONSUMER_REGISTERS.
 MAX_TILE_REGISTERS = 184
+# The Hopper backward (hopper_dkdv_kernel): two consumer warpgroups of 64 keys each hold dK and dV (64 x
+# head_dim fp32 each) beside S^T and dP^T of a 64-query step, so the producer gives up more registers.
+HOPPER_BACKWARD_HEAD_DIMS = (64, 128)
+HOPPER_BACKWARD_BLOCK_N = 128
+HOPPER_STEP_ROWS = 64
+HOPPER_STAGES = 2
+HOPPER_PRODUCER_REGISTERS = 24
+HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPingPong): no measurable gain yet (RESULTS.md)
 
 
@@ -36,12 +44,19 @@ def default_tile(head_dim: int) -> TileConfig:
 FORWARD_SPILL_ALLOWANCE = 16
 
 
+# The Hopper backward's partial path likewise keeps two step-invariant values on the stack (SASS: two LDL
+# per partial step, none on the full and causal paths), at d128.
+HOPPER_BACKWARD_SPILL_ALLOWANCE = 24
+
+
 def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
-    """Spills of the Hopper forward beyond FORWARD_SPILL_ALLOWANCE; the backward keeps the sm80 allowance."""
-    if "forward_kernel" in kernel_name:
-        stores, loads = figures.get("spill_store_bytes", 0), figures.get("spill_load_bytes", 0)
-        return 0 if max(stores, loads) <= FORWARD_SPILL_ALLOWANCE else stores + loads
-    return sm80_excess_spill_bytes(kernel_name, figures)
+    """Spills of the Hopper kernels beyond their allowances; the carried sm80 backward keeps sm80's."""
+    allowance = (FORWARD_SPILL_ALLOWANCE if "forward_kernel" in kernel_name else
+                 HOPPER_BACKWARD_SPILL_ALLOWANCE if "hopper_dkdv_kernel" in kernel_name else None)
+    if allowance is None:
+        return sm80_excess_spill_bytes(kernel_name, figures)
+    stores, loads = figures.get("spill_store_bytes", 0), figures.get("spill_load_bytes", 0)
+    return 0 if max(stores, loads) <= allowance else stores + loads
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,32 @@ class Resources:
     def shared_memory_bytes(self) -> int:
         """What the launch asks for: the storage plus 1 KB to align the dynamic base to 1024 bytes."""
         return self.shared_storage_bytes + 1024
+
+    @property
+    def hopper_shared_storage_bytes(self) -> int:
+        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers, stages x the
+        rows' tables (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
+        t = self.config.tile
+        kv = t.block_n * 128 * self.boxes
+        rows = HOPPER_STEP_ROWS * 128 * self.boxes
+        ds = t.block_n * HOPPER_STEP_ROWS * 2
+        tables = HOPPER_STAGES * 5 * HOPPER_STEP_ROWS * 4
+        barriers = 8 * (1 + 2 * HOPPER_STAGES)
+        return -(-(2 * kv + 2 * HOPPER_STAGES * rows + 2 * ds + tables + barriers) // 1024) * 1024
+
+    def hopper_backward_problems(self) -> list[str]:
+        """Why the module's backward is not the Hopper kernel (it then runs the sm80 one it carries)."""
+        c, t = self.config, self.config.tile
+        out = []
+        if c.head_dim not in HOPPER_BACKWARD_HEAD_DIMS:
+            out.append(f"the Hopper backward covers head dims {HOPPER_BACKWARD_HEAD_DIMS}, not {c.head_dim} "
+                       "(dK and dV of 64 keys would not fit a warpgroup's registers)")
+        if t.block_n != HOPPER_BACKWARD_BLOCK_N:
+            out.append(f"the Hopper backward takes block_n {HOPPER_BACKWARD_BLOCK_N} (two warpgroups of 64 keys), "
+                       f"not {t.block_n}")
+        if not out and self.hopper_shared_storage_bytes + 1024 > ARCH_TABLE[c.arch].shared_memory:
+            out.append(f"the Hopper backward needs {self.hopper_shared_storage_bytes + 1024} bytes of shared memory")
+        return out
 
     def sm80_backward_config(self) -> KernelConfig:
         """The sm80 variant whose backward kernels this module carries (same plan tile)."""

@@ -40,6 +40,14 @@ __device__ __forceinline__ void fence_registers(float (&registers)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(registers[i])::"memory");
 }
 
+// The same value, unknown to the optimiser: a shared-memory address passed through this each step keeps
+// ptxas from hoisting every descriptor of a loop-invariant tile (K, V) out of the loop, where dozens of
+// 64-bit descriptors would take registers the accumulators need (and spill).
+__device__ __forceinline__ uint32_t opaque(uint32_t value) {
+  asm volatile("" : "+r"(value));
+  return value;
+}
+
 // Registers per thread of the warpgroups that run this code (sm_90a; the kernel must be launched with a
 // register cap, __launch_bounds__(threads, 1)).
 template <int Registers>
