@@ -87,15 +87,16 @@ class Resources:
 
     @property
     def hopper_shared_storage_bytes(self) -> int:
-        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers, stages x the
-        rows' tables (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
+        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers, the step's dQ
+        (fp32, on its way to TMA), stages x the rows' tables (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
         t = self.config.tile
         kv = t.block_n * 128 * self.boxes
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
         ds = t.block_n * HOPPER_STEP_ROWS * 2
+        dq = HOPPER_STEP_ROWS * self.config.head_dim * 4
         tables = HOPPER_STAGES * 5 * HOPPER_STEP_ROWS * 4
         barriers = 8 * (1 + 2 * HOPPER_STAGES)
-        return -(-(2 * kv + 2 * HOPPER_STAGES * rows + 2 * ds + tables + barriers) // 1024) * 1024
+        return -(-(2 * kv + 2 * HOPPER_STAGES * rows + 2 * ds + dq + tables + barriers) // 1024) * 1024
 
     def hopper_backward_problems(self) -> list[str]:
         """Why the module's backward is not the Hopper kernel (it then runs the sm80 one it carries)."""

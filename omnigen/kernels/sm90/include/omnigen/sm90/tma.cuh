@@ -41,6 +41,34 @@ __device__ __forceinline__ void load_bytes(void* destination, const void* source
                : "memory");
 }
 
+// `source` (one box as `map` describes it, in shared memory) added element-wise into global memory at
+// (column, row, head, batch) by the TMA unit; rows past the end of the tensor are dropped. The operation
+// joins this thread's bulk async-group (bulk_commit, then bulk_wait_read before `source` is written again).
+__device__ __forceinline__ void reduce_add_box(const CUtensorMap* map, const void* source, int column, int row, int head,
+                                               int batch) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+      ::"l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(source)), "r"(column), "r"(row), "r"(head), "r"(batch)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// This thread's bulk groups but the newest `Pending` have read their shared memory (it may be rewritten).
+template <int Pending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(Pending) : "memory");
+}
+
+// This thread's bulk groups but the newest `Pending` are complete, writes included.
+template <int Pending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
+// Makes this thread's ordinary shared-memory stores visible to the TMA unit and wgmma (the async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // ---- host --------------------------------------------------------------------------------------
 
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -62,32 +90,41 @@ inline EncodeTiled encoder() {
   return found;
 }
 
-// A map of a [batch][heads][seq_len][head_dim] tensor of 16-bit elements (strides in elements), boxes of
-// [rows][64]. Returns false (and says why in `message`) when the driver refuses it.
-inline bool encode_tensor_map(CUtensorMap* map, bool is_half, const void* base, int head_dim, int seq_len, int heads,
-                              int batch, int64_t stride_s, int64_t stride_h, int64_t stride_b, int rows,
-                              char* message, int message_size) {
+// A map of a [batch][heads][seq_len][head_dim] tensor (strides in elements, the last dim contiguous) whose
+// boxes are [rows][128 bytes of columns], 128-byte swizzled. Returns false (and says why in `message`) when
+// the driver refuses it.
+inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes, const void* base, int head_dim,
+                       int seq_len, int heads, int batch, int64_t stride_s, int64_t stride_h, int64_t stride_b, int rows,
+                       char* message, int message_size) {
   const EncodeTiled encode = encoder();
   if (encode == nullptr) {
     snprintf(message, message_size, "the CUDA driver has no cuTensorMapEncodeTiled (a driver for CUDA 12 or newer is needed)");
     return false;
   }
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seq_len), cuuint64_t(heads), cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(stride_s) * 2, cuuint64_t(stride_h) * 2, cuuint64_t(stride_b) * 2};
-  const cuuint32_t box[4] = {cuuint32_t(kBoxColumns), cuuint32_t(rows), 1, 1};
+  const cuuint64_t strides[3] = {cuuint64_t(stride_s) * element_bytes, cuuint64_t(stride_h) * element_bytes,
+                                 cuuint64_t(stride_b) * element_bytes};
+  const cuuint32_t box[4] = {cuuint32_t(kBoxRowBytes / element_bytes), cuuint32_t(rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult status = encode(map, is_half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-                                 const_cast<void*>(base), dims, strides, box, element_strides,
+  const CUresult status = encode(map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS) {
     snprintf(message, message_size,
              "cuTensorMapEncodeTiled refused a [%d, %d, %d, %d] tensor with strides (%lld, %lld, %lld) elements "
-             "(error %d): TMA needs a 16-byte aligned base and strides that are multiples of 8 elements",
+             "(error %d): TMA needs a 16-byte aligned base and strides that are multiples of 16 bytes",
              batch, heads, seq_len, head_dim, (long long)stride_b, (long long)stride_h, (long long)stride_s, int(status));
     return false;
   }
   return true;
+}
+
+// Q, K, V, O and dO: 16-bit elements, boxes of [rows][64].
+inline bool encode_tensor_map(CUtensorMap* map, bool is_half, const void* base, int head_dim, int seq_len, int heads,
+                              int batch, int64_t stride_s, int64_t stride_h, int64_t stride_b, int rows,
+                              char* message, int message_size) {
+  return encode_map(map, is_half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, head_dim,
+                    seq_len, heads, batch, stride_s, stride_h, stride_b, rows, message, message_size);
 }
 
 }  // namespace omnigen::sm90
