@@ -44,9 +44,9 @@ def default_tile(head_dim: int) -> TileConfig:
 FORWARD_SPILL_ALLOWANCE = 16
 
 
-# The Hopper backward's partial path likewise keeps two step-invariant values on the stack (SASS: two LDL
-# per partial step, none on the full and causal paths), at d128.
-HOPPER_BACKWARD_SPILL_ALLOWANCE = 24
+# The Hopper backward at d128 parks a few step-invariant values of its causal and partial paths on the stack
+# (SASS: one LDL per causal step, about eight per partial step; none on the full path, which most steps take).
+HOPPER_BACKWARD_SPILL_ALLOWANCE = 96
 
 
 def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
