@@ -241,10 +241,13 @@ def test_backward_is_rendered_next_to_the_forward():
     assert f'#include "{names["backward"]}"' in files[names["kernel"]]
     for text in ("__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel", "dq_kernel", "delta_kernel",
                  "// Full path: no mask work.", "// Causal path: one compare per score.",
-                 "// Partial path: the generated predicate.", "allowed(rule", "row_rule(", "Mma::run",
+                 "// Partial path: the generated predicate.", "mask_key_rows<kind>(", "mask_query_rows<kind>(", "Mma::run",
                  "omnigen::atomic_add_pair", f"static_assert(kDkdvSharedBytes == {Resources(CONFIG).backward_shared_bytes}",
                  f"static_assert(kDqSharedBytes == {Resources(CONFIG).dq_shared_bytes}"):
         assert text in backward, text
+    # The masks of both layouts (rows queries, rows keys) are rendered once, into the forward's file (same translation unit).
+    for text in ("void mask_query_rows(", "void mask_key_rows(", "allowed(rule", "row_rule("):
+        assert text in files[names["kernel"]], text
     assert "#define" not in backward
     binding = files[names["binding"]]
     for text in ('m.def("backward"', 'm.def("backward_delta"', 'm.attr("HAS_BACKWARD")', 'm.attr("BACKWARD_CONFIG")',

@@ -50,4 +50,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPendingGroups));
 }
 
+// One turn of a multi-buffered cp.async pipeline: once every warp is done with the buffer consumed a step ago,
+// issue the copies of step `next` into it (load(next), if next < end) as one more commit group, then wait until
+// at most kInFlight groups are pending (this step's has landed) and make it visible to every warp.
+template <int kInFlight, typename Load>
+__device__ __forceinline__ void pipeline_turn(int next, int end, Load&& load) {
+  __syncthreads();
+  if (next < end) load(next);
+  cp_async_commit();
+  cp_async_wait<kInFlight>();
+  __syncthreads();
+}
+
 }  // namespace omnigen

@@ -32,6 +32,32 @@ __device__ __forceinline__ void copy_tile_rows(uint32_t tile, const Element* sou
   }
 }
 
+// The same into the tile at `tile`, a pointer to shared memory.
+template <int kRows, int kThreads, int kHeadDim, typename Element>
+__device__ __forceinline__ void copy_tile_rows(Element* tile, const Element* source, int64_t row_stride, int rows_left) {
+  copy_tile_rows<kRows, kThreads, kHeadDim>(shared_address(tile), source, row_stride, rows_left);
+}
+
+// Rows kv_start .. kv_start + kRows - 1 of K and V (kv head kv_head of batch element `batch`; rows at or past
+// seq_len become zeros) into the swizzled shared-memory tiles tiles.k and tiles.v. The K/V pointers are computed
+// here, per tile, from the parameters: held across a kernel's loop they would cost registers. kAddressLast:
+// each tile's shared address is taken after its source row pointer (the forward's order) rather than before
+// (the backward's); the same work, but ptxas assigns registers differently, so each kernel keeps its own.
+template <int kRows, int kThreads, int kHeadDim, typename Element, bool kAddressLast, typename Tiles, typename Args>
+__device__ __forceinline__ void copy_kv_rows(Tiles& tiles, const Args& args, int batch, int kv_head, int kv_start, int seq_len) {
+  const Element* k = static_cast<const Element*>(args.k) + batch * args.k_stride_b + kv_head * args.k_stride_h;
+  const Element* v = static_cast<const Element*>(args.v) + batch * args.v_stride_b + kv_head * args.v_stride_h;
+  if constexpr (kAddressLast) {
+    copy_tile_rows<kRows, kThreads, kHeadDim>(tiles.k, k + kv_start * args.k_stride_s, args.k_stride_s, seq_len - kv_start);
+    copy_tile_rows<kRows, kThreads, kHeadDim>(tiles.v, v + kv_start * args.v_stride_s, args.v_stride_s, seq_len - kv_start);
+  } else {
+    copy_tile_rows<kRows, kThreads, kHeadDim>(shared_address(tiles.k), k + kv_start * args.k_stride_s, args.k_stride_s,
+                                              seq_len - kv_start);
+    copy_tile_rows<kRows, kThreads, kHeadDim>(shared_address(tiles.v), v + kv_start * args.v_stride_s, args.v_stride_s,
+                                              seq_len - kv_start);
+  }
+}
+
 // The token tables of the kRows tokens at positions start, start + 1, ... of one batch element (its tables
 // begin at token `slice` of args.token_*), as cp.async copies by a block of kThreads threads: they land with
 // the tile rows of the same commit group. Positions at or past seq_len become zeros (their scores are masked

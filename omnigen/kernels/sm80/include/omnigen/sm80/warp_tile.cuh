@@ -28,6 +28,18 @@ __device__ __forceinline__ void zero(Array& acc) {
   fill(acc, 0.f);
 }
 
+// The four per-lane ldmatrix addresses of the swizzled [rows][head_dim] tiles (Tile) of the shared memory at
+// byte `base`: lane l addresses row l % 16 of a 16-row block at chunk 2 kk + l / 16 of a 16-column step kk, and
+// lane_address[kk % 4] is that address for every kk (SwizzledTile::lane_pattern_bytes); the rest (the tile,
+// its rows, 128 (kk / 4)) is a compile-time or per-tile offset. One set serves every tile of a kernel.
+template <typename Tile>
+__device__ __forceinline__ void lane_addresses(uint32_t (&lane_address)[4], uint32_t base, int lane) {
+#pragma unroll
+  for (int pattern = 0; pattern < 4; ++pattern) {
+    lane_address[pattern] = base + (lane % 16) * Tile::kRowBytes + Tile::lane_pattern_bytes(pattern, lane / 16, lane);
+  }
+}
+
 // acc[m][n] += A[m] B[n]^T over kSteps 16-column steps, both operands [rows][16 kSteps] swizzled tiles in
 // shared memory read with ldmatrix: A's 16-row blocks from byte a_bytes on; B's 16-row blocks from row b_row
 // of the tile at b_bytes + kTileOffset, read in B order (b_order: SwizzledTile::b_operand_offset_bytes). lane_address[kk % 4]
