@@ -49,6 +49,7 @@ class Sm90Family(KernelFamily):
             "producer_registers": resources.PRODUCER_REGISTERS,
             "consumer_registers": resources.CONSUMER_REGISTERS,
             "pingpong": resources.PINGPONG,
+            "persistent": resources.PERSISTENT,
         })
         return context
 
