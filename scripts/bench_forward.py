@@ -3,8 +3,12 @@
 For kernel work on one GPU: each (rules, D, S) row times omnigen's forward for every --variants entry
 (FAMILY:TILE, e.g. sm80:128x64w4 sm90:128x128w12) and SDPA flash / cuDNN on the plain causal mask at the
 same shape. Effective TFLOP/s count allowed pairs only (DESIGN section 7); the causal peers count S(S+1)/2.
+--persistent on/off/both pins the sm90 forward's scheduling (omnigen.kernels.sm90.resources.PERSISTENT;
+default: the tree's setting); "both" times every sm90 variant as a grid of tiles and as a persistent grid
+(labelled +p) in one process.
 
     PYTHONPATH=. python3 scripts/bench_forward.py --variants sm80:128x64w4 sm90:128x128w12 --sizes 8192 32768
+    PYTHONPATH=. python3 scripts/bench_forward.py --variants sm90:128x128w12 --persistent both --rules causal
 """
 from __future__ import annotations
 
@@ -27,6 +31,29 @@ def parse_variant(text: str) -> tuple[str, omnigen.TileConfig]:
     return family, parse_tile(tile)
 
 
+def persistent_modes(choice: str, family: str) -> list[bool | None]:
+    """The sm90 schedulings to time for a variant: None keeps the tree's setting."""
+    if family != "sm90" or choice == "default":
+        return [None]
+    return {"on": [True], "off": [False], "both": [False, True]}[choice]
+
+
+def build_variant(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str, persistent: bool | None):
+    """build(), with the sm90 forward's scheduling pinned. A module's name does not say whether it is
+    persistent and a process loads one module per name: each scheduling builds under its own rules name."""
+    if persistent is None:
+        return build(rules, dim, tile, family)
+    from omnigen.kernels.sm90 import resources
+
+    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{'persistent' if persistent else 'grid'}"})
+    saved = resources.PERSISTENT
+    resources.PERSISTENT = persistent
+    try:
+        return build(named, dim, tile, family)
+    finally:
+        resources.PERSISTENT = saved
+
+
 def sdpa_ms(q, k, v, backend) -> float | None:
     from torch.nn.attention import sdpa_kernel
 
@@ -47,6 +74,8 @@ def main() -> None:
     parser.add_argument("--rules", choices=("transfusion", "causal"), nargs="+", default=["transfusion", "causal"])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--persistent", choices=("default", "on", "off", "both"), default="default",
+                        help="the sm90 forward's scheduling: the tree's setting, persistent, one CTA per tile, or both")
     args = parser.parse_args()
 
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'variant':<22} {'fwd ms':>8} {'TFLOP/s':>8}")
@@ -65,14 +94,15 @@ def main() -> None:
                 pairs = omnigen.plan(rules, layout, 128, 64).allowed_pairs
                 flops = 4.0 * dim * pairs * args.heads
                 for family, tile in args.variants:
-                    try:
-                        kernel = build(rules, dim, tile, family)
-                    except ValueError as exc:
-                        print(f"{rules_name:<12} {dim:>4} {S:>6} {family}:{tile.label:<16} skipped: {exc}")
-                        continue
-                    ms = bench(lambda: kernel(q, k, v, layout))
-                    print(f"{rules_name:<12} {dim:>4} {S:>6} {family + ':' + tile.label:<22} {ms:8.3f} "
-                          f"{flops / ms * 1e-9:8.1f}", flush=True)
+                    for persistent in persistent_modes(args.persistent, family):
+                        label = f"{family}:{tile.label}" + ("+p" if persistent else "")
+                        try:
+                            kernel = build_variant(rules, dim, tile, family, persistent)
+                        except ValueError as exc:
+                            print(f"{rules_name:<12} {dim:>4} {S:>6} {label:<22} skipped: {exc}")
+                            continue
+                        ms = bench(lambda: kernel(q, k, v, layout))
+                        print(f"{rules_name:<12} {dim:>4} {S:>6} {label:<22} {ms:8.3f} {flops / ms * 1e-9:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

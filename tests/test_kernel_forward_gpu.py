@@ -7,10 +7,15 @@ error bound is twice what torch's SDPA with the dense boolean mask gets against 
 kernel forgets to write fails.
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_kernel_forward_gpu.py
+
+The sm90 forward's persistent scheduling (resources.PERSISTENT) has its own tests at the end (Hopper only):
+
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -s -m gpu tests/test_kernel_forward_gpu.py -k persistent
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -22,7 +27,7 @@ from omnigen.kernels.launch import launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.jit.toolchain import visible_gpu_arch
 from omnigen.kernels import FAMILIES
-from omnigen.targets import ARCH_TABLE, KernelConfig
+from omnigen.targets import ARCH_TABLE, KernelConfig, TileConfig
 from omnigen.reference import attention_reference
 
 pytestmark = [
@@ -184,3 +189,127 @@ def test_forward_speed_report(family):
     print(f"{family} transfusion S=8192 B=4 H=16 D=128: omnigen {ours * 1e3:.2f} ms ({flops / ours / 1e12:.0f} TFLOP/s effective, "
           f"density {plan.density:.2f}); SDPA causal {causal * 1e3:.2f} ms "
           f"({4 * D * B * H * S * (S + 1) / 2 / causal / 1e12:.0f} TFLOP/s)")
+
+
+# ---- the sm90 forward's persistent mode (omnigen.kernels.sm90.resources.PERSISTENT): min(SMs, work tiles)
+# CTAs, each walking (q-tile, batch, head) tiles with its barrier phases running on across them.
+
+# B = 2, S = 8269: 65 q-tiles per sequence (the last one 77 rows), 2 x 16 x 65 = 2080 work tiles, about 16
+# per SM. Element 0 starts with pad (its first q-tiles are empty rows at the end of the order), element 1
+# ends with 2300 pad tokens (its last 18 q-tiles: empty rows among the first tiles every CTA takes);
+# documents and images give full, causal and partial kv-tiles.
+PERSISTENT_LAYOUTS = [
+    "pad:300 text:2000 image:1024 text:1500 image:256 text:3189",
+    "text:3000 image:1024@1 text:1900@1 image:45@1 pad:2300@1",
+]
+
+
+@contextlib.contextmanager
+def _scheduling(persistent: bool):
+    """The sm90 forward rendered persistent or not (a module-level switch, read when sources are rendered)."""
+    from omnigen.kernels.sm90 import resources
+
+    saved = resources.PERSISTENT
+    resources.PERSISTENT = persistent
+    try:
+        yield
+    finally:
+        resources.PERSISTENT = saved
+
+
+def _sm90_variant(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int | None, persistent: bool):
+    """(rules, config) of an sm90 variant with the scheduling pinned. A module's name does not say whether it
+    is persistent, and a process loads one module per name: each scheduling gets the rules under a name of
+    its own (same mask)."""
+    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{'persistent' if persistent else 'grid'}"})
+    config = _config(head_dim, dtype, "sm90")
+    if block_n is not None:
+        config = KernelConfig(head_dim, dtype, config.arch, TileConfig(128, block_n, 12, 2), kernel_family="sm90")
+    return named, config
+
+
+def _sm90_module(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int | None, persistent: bool):
+    named, config = _sm90_variant(rules, head_dim, dtype, block_n, persistent)
+    with _scheduling(persistent):
+        return named, cache.get_module(named, config)
+
+
+# (rules, head_dim, dtype, block_n or None for the default tile, persistent)
+MANY_TILES = [(TRANSFUSION, 128, "bf16", None, True), (TRANSFUSION, 128, "bf16", None, False),
+              (TRANSFUSION, 64, "fp16", 176, True), (TRANSFUSION, 256, "bf16", None, True)]
+
+
+@pytest.fixture(scope="module")
+def persistent_variants():
+    """The persistent tests' modules, compiled as one parallel ninja graph."""
+    if "sm90" not in FAMILY_NAMES:
+        return
+    needed = [*MANY_TILES, (MIXED, 128, "bf16", None, True)]
+    built = []
+    for rules, head_dim, dtype, block_n, persistent in needed:
+        named, config = _sm90_variant(rules, head_dim, dtype, block_n, persistent)
+        with _scheduling(persistent):
+            built.append(cache.variant(named, config))
+    cache.build_variants(built)
+
+
+def _check_sliced(rules, layout, q, k, v, out, lse, dtype) -> None:
+    """Against the float64 reference one (batch element, head) at a time (a [B, H, S, S] float64 reference
+    at S = 8K would not fit), with the bounds of test_forward_matches_reference."""
+    assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
+    assert not torch.isnan(lse).any(), "the kernel left NaN in lse"
+    mask = rules.dense_mask(layout, device="cuda")
+    mask3 = mask if mask.dim() == 3 else mask[None]
+    B, Hq = q.shape[:2]
+    group = Hq // k.shape[1]
+    error = sdpa = lse_error = 0.0
+    for b in range(B):
+        rows_mask = mask3[b if mask3.shape[0] > 1 else 0][None]
+        empty_rows = ~rows_mask[0].any(-1)
+        for h in range(Hq):
+            hk = h // group
+            qs, ks, vs = q[b:b + 1, h:h + 1], k[b:b + 1, hk:hk + 1], v[b:b + 1, hk:hk + 1]
+            ref_out, ref_lse = attention_reference(qs, ks, vs, rows_mask)
+            o, l = out[b, h], lse[b, h]
+            assert (o[empty_rows] == 0).all(), f"rows with no key must be zeros (batch {b}, head {h})"
+            assert torch.isneginf(l[empty_rows]).all(), f"rows with no key must have lse = -inf (batch {b}, head {h})"
+            error = max(error, float((o.double() - ref_out[0, 0]).abs().max()))
+            sdpa = max(sdpa, _sdpa_error(qs, ks, vs, rows_mask, ref_out))
+            if (~empty_rows).any():
+                lse_error = max(lse_error, float((l.double() - ref_lse[0, 0])[~empty_rows].abs().max()))
+    floor = 2e-3 if dtype == "bf16" else 5e-4
+    print(f"max |out - ref| = {error:.2e}, SDPA dense-mask = {sdpa:.2e}, lse {lse_error:.2e}")
+    assert error <= 2 * sdpa + floor, f"out error {error:.3e} > 2 x SDPA's {sdpa:.3e} + {floor}"
+    assert lse_error <= 1e-3, f"lse error {lse_error:.3e}"
+
+
+needs_sm90 = pytest.mark.skipif("sm90" not in FAMILY_NAMES, reason="needs a Hopper GPU (the sm90 family)")
+
+
+@needs_sm90
+@pytest.mark.parametrize("variant", MANY_TILES, ids=lambda v: f"d{v[1]}-{v[2]}-n{v[3] or 'default'}-{'persistent' if v[4] else 'grid'}")
+def test_sm90_persistent_forward_many_tiles_per_sm(variant, persistent_variants):
+    """More work tiles than SMs, ragged last q-tile, empty schedule rows, GQA (16 query heads on 4)."""
+    assert torch.cuda.get_device_properties(0).multi_processor_count < 2 * 16 * 65
+    _, head_dim, dtype, block_n, persistent = variant
+    rules, module = _sm90_module(TRANSFUSION, head_dim, dtype, block_n, persistent)
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_LAYOUTS])
+    q, k, v = _inputs(2, 16, 4, layout.seq_len, head_dim, DTYPES[dtype], strided=False)
+    out, lse = run_forward(module, rules, layout, q, k, v)
+    _check_sliced(rules, layout, q, k, v, out, lse, dtype)
+    # Again: the same bits (a static schedule; nothing is left over between launches).
+    again, again_lse = run_forward(module, rules, layout, q, k, v)
+    assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sm90_persistent_forward_fewer_tiles_than_sms(case, persistent_variants):
+    """The small cases of test_forward_matches_reference, persistent: a grid of as many CTAs as tiles."""
+    name, rules, layout_texts, Hq, Hkv = case
+    named, module = _sm90_module(rules, 128, "bf16", None, True)
+    layouts = [omnigen.Layout.parse(t) for t in layout_texts]
+    layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
+    q, k, v = _inputs(len(layouts), Hq, Hkv, layouts[0].seq_len, 128, torch.bfloat16, strided=(name == "pad_and_docs"))
+    out, lse = run_forward(module, named, layout, q, k, v)
+    _check_sliced(named, layout, q, k, v, out, lse, "bf16")

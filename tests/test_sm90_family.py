@@ -88,3 +88,16 @@ def test_an_sm90_edit_renames_no_sm80_module(monkeypatch):
     monkeypatch.setattr(codegen, "template_files", lambda: edited)
     assert codegen.module_name(RULES, sm80) == before[0]
     assert codegen.module_name(RULES, sm90) != before[1]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistent_scheduling_is_a_render_switch(monkeypatch, persistent):
+    """resources.PERSISTENT renders kPersistent (min(SMs, tiles) CTAs walking work tiles); the shared memory
+    holds its Q-empty barrier either way, so the resource model does not depend on it."""
+    monkeypatch.setattr(resources, "PERSISTENT", persistent)
+    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    forward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+    assert f"constexpr bool kPersistent = {'true' if persistent else 'false'};" in forward
+    for text in ("uint64_t q_empty;", "struct WorkTiles", "cudaDevAttrMultiProcessorCount",
+                 f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}"):
+        assert text in forward, text

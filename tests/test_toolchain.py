@@ -1,7 +1,8 @@
 """Toolchain discovery, arch flags, error messages, and (with nvcc) real builds for sm_80 and sm_90a.
 
-Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles two variants once
-(one sm_80, one sm_90a, in one parallel ninja run) into a private cache.
+Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles three variants once
+(one sm_80, one sm_90a, and the sm_90a one with the sm90 forward's other scheduling -- persistent or
+not, whichever is not the default -- in one parallel ninja run) into a private cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ RULES = omnigen.Rules(name="buildtest", modalities={"text": "causal", "image": "
 SMALL_TILE = TileConfig(block_m=64, block_n=64, warps=4, stages=2)
 SM80 = KernelConfig(head_dim=64, dtype="bf16", arch="sm_80", tile=SMALL_TILE)
 SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))  # the sm90 family
+
+
+def other_scheduling_variant() -> cache.Variant:
+    """SM90A with the sm90 forward's non-default scheduling (resources.PERSISTENT flipped), so that both
+    compile. A module's name does not say which it is: the rules get a name of their own."""
+    from omnigen.kernels.sm90 import resources
+
+    flipped = not resources.PERSISTENT
+    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": f"buildtest_{'persistent' if flipped else 'grid'}"})
+    resources.PERSISTENT = flipped
+    try:
+        return cache.variant(rules, SM90A)
+    finally:
+        resources.PERSISTENT = not flipped
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,12 +156,13 @@ def test_max_jobs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One sm_80 and one sm_90a variant, compiled together; yields the cache dir."""
+    """One sm_80 and one sm_90a variant and the sm_90a one's other scheduling, compiled together; yields the
+    cache dir and the build results."""
     directory = tmp_path_factory.mktemp("omnigen-cache")
     previous = os.environ.get("OMNIGEN_CACHE_DIR")
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
-        variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A)]
+        variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant()]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -160,7 +176,10 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True, True]
+    assert [r.built for r in results] == [True, True, True]
+    for result in results[2:]:  # the sm90 forward's other scheduling: compiled, within the spill allowance
+        kernels_built = result.meta["ptxas"]["kernels"]
+        assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
     for result, config in zip(results, (SM80, SM90A)):
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
@@ -221,7 +240,7 @@ def test_cli_on_a_built_cache(built, tmp_path):
     assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
     assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
-    assert listed.exit_code == 0 and "buildtest" in listed.output and "2 module(s)" in listed.output
+    assert listed.exit_code == 0 and "buildtest" in listed.output and "3 module(s)" in listed.output
 
 
 @pytest.mark.nvcc
@@ -251,5 +270,5 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
     assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
-    assert cleared.exit_code == 0 and "removed 2 module(s)" in cleared.output
+    assert cleared.exit_code == 0 and "removed 3 module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

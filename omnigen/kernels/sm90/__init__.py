@@ -70,6 +70,7 @@ class Sm90Family(KernelFamily):
             "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,
             "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,
+            "persistent": resources.PERSISTENT,
         })
         return context
 

@@ -31,6 +31,12 @@ HOPPER_STAGES = 2
 HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPingPong): no measurable gain yet (RESULTS.md)
+# Persistent forward (kPersistent): min(SMs, work tiles) CTAs, each looping over (q-tile, batch, head) tiles
+# heaviest first with one set of barriers, its K/V ring running on across tiles and the next tile's Q and
+# K/V loading under the current one's last P V and epilogue. Off: one CTA per tile. TileConfig has no
+# field for it, so the tuner does not search it: a module-level switch like PINGPONG. Sources differ, so
+# the cache keys differ, but module names do not: flip it per process, not within one.
+PERSISTENT = False
 
 
 def default_tile(head_dim: int) -> TileConfig:
@@ -72,12 +78,13 @@ class Resources:
     @property
     def shared_storage_bytes(self) -> int:
         """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, stages x 3 int32 key tables, then the
-        barriers (Q, and full + empty for K and V per stage), rounded up to the 1024-byte alignment."""
+        barriers (Q full and empty, and full + empty for K and V per stage), rounded up to the 1024-byte
+        alignment."""
         t = self.config.tile
         q = t.block_m * 128 * self.boxes
         kv = t.block_n * 128 * self.boxes
         tables = t.stages * 3 * t.block_n * 4
-        barriers = 8 * (1 + 4 * t.stages)
+        barriers = 8 * (2 + 4 * t.stages)
         return -(-(q + 2 * t.stages * kv + tables + barriers) // 1024) * 1024
 
     @property
