@@ -101,3 +101,34 @@ def test_persistent_scheduling_is_a_render_switch(monkeypatch, persistent):
     for text in ("uint64_t q_empty;", "struct WorkTiles", "cudaDevAttrMultiProcessorCount",
                  f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}"):
         assert text in forward, text
+
+
+@pytest.mark.parametrize("head_dim,block_n,hopper", [(128, 128, True), (64, 128, True), (128, 96, False), (256, 64, False)])
+def test_the_hopper_backward_takes_128_keys_at_d64_and_d128_and_says_why_not_elsewhere(head_dim, block_n, hopper):
+    config = KernelConfig(head_dim, "bf16", "sm_90a", TileConfig(128, block_n, 12, 2))
+    problems = resources.Resources(config).hopper_backward_problems()
+    assert (not problems) == hopper
+    if not hopper:
+        assert any(word in " ".join(problems) for word in ("head dims", "block_n"))
+    backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
+    assert ("hopper_dkdv_kernel" in backward) == hopper
+    # The carried sm80 backward is always there under its own entry point; backward_launch picks.
+    assert "int sm80_backward_launch(" in backward and "int backward_launch(" in backward
+    if hopper:  # its shared memory figure is the resource model's, and fits the GPU
+        assert f"sizeof(SharedStorage) == {resources.Resources(config).hopper_shared_storage_bytes}" in backward
+        assert resources.Resources(config).hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
+
+
+def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():
+    default = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    assert kernels.default_backward(default) == default
+    wide = KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 176, 12, 2))
+    assert kernels.default_backward(wide) == KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 128, 12, 2))
+    d256 = KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))
+    assert kernels.default_backward(d256).kernel_family in ("sm80", "")  # no Hopper backward at d256
+
+
+def test_the_hopper_backward_spill_allowance_names_its_kernel():
+    figures = {"spill_store_bytes": 52, "spill_load_bytes": 56}
+    assert resources.excess_spill_bytes("_ZN4x6hopper18hopper_dkdv_kernelE", figures) == 0
+    assert resources.excess_spill_bytes("_ZN4x6hopper18hopper_dkdv_kernelE", {"spill_store_bytes": 200}) == 200
