@@ -1,4 +1,5 @@
-"""The generated backward kernels against float64 gradients, on a GPU (skipped without one).
+"""The generated backward kernels against float64 gradients, on a GPU (skipped without one). The sm90 d256
+backward (split columns, off by default until it has run on a GPU) is tested with its switch on (`-k split`).
 
 Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
 raw-pointer `forward`, then `backward_delta` and `backward` through the library's own launchers, and compares dq, dk and dv
@@ -15,6 +16,7 @@ build with no spills and no stack in any kernel (the forward's, the two backward
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -243,6 +245,61 @@ def test_sm90_deterministic_mode_runs_the_carried_sm80_backward(built_variants, 
                 name=name, family="sm90")
 
 
+# ---- d256 on the Hopper backward: split columns (resources.SPLIT_COLUMNS, off until these pass on a GPU).
+# Both consumer warpgroups take the CTA's 64 keys and half the head dims of dK and dV each; dQ by atomics.
+
+
+@contextlib.contextmanager
+def _split_columns():
+    saved, sm90_resources.SPLIT_COLUMNS = sm90_resources.SPLIT_COLUMNS, True
+    try:
+        yield
+    finally:
+        sm90_resources.SPLIT_COLUMNS = saved
+
+
+def _split_rules(rules: omnigen.Rules) -> omnigen.Rules:
+    """The rules under a name of their own: a module's name does not say whether SPLIT_COLUMNS was on, and a
+    process loads one module per name."""
+    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_split"})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_split_columns_backward_d256(case, dtype):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    if dtype == "fp16" and name not in ("s17_gqa", "misaligned_images_1000"):
+        pytest.skip("fp16 on two cases only")
+    with _split_columns():
+        module = _module(_split_rules(rules), 256, dtype, family="sm90")
+        assert (module.BLOCK_N, module.HAS_BACKWARD) == (64, True)
+        _check_case(_split_rules(rules), layout_texts, Hq, Hkv, 256, dtype, strided=name == "pad_docs_strided",
+                    deterministic=False, name=name, family="sm90")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_split_columns_deterministic_mode_says_it_has_no_kernel():
+    _skip_unless_family_runs("sm90")
+    with _split_columns():
+        with pytest.raises(RuntimeError, match="deterministic=True runs the sm80 family's backward"):
+            _check_case(_split_rules(TRANSFUSION), ["text:5 image:12"], 2, 2, 256, "bf16", strided=False,
+                        deterministic=True, name="deterministic_d256", family="sm90")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_split_columns_speed_report():
+    """One rough d256 figure (Transfusion 8K, B=2, H=16): the split-columns backward beside SDPA's causal one."""
+    _skip_unless_family_runs("sm90")
+    with _split_columns():
+        _speed_report(_module(_split_rules(TRANSFUSION), 256, "bf16", family="sm90"), 256, "sm90 split", batch=2,
+                      deterministic_too=False)
+
+
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("s17_gqa", "pad_docs_strided", "misaligned_images_1000",
                                                               "all_pad_rows", "mixed_windows")],
@@ -338,16 +395,18 @@ def test_backward_speed_report(built_variants, head_dim, tile, family):
     _skip_unless_family_runs(family)
     if kernels.problems(_config(head_dim, "bf16", visible_gpu_arch(), tile, family)):
         pytest.skip("tile not buildable on this GPU")
-    module = _module(TRANSFUSION, head_dim, "bf16", tile, family)
+    _speed_report(_module(TRANSFUSION, head_dim, "bf16", tile, family), head_dim, family)
+
+
+def _speed_report(module, head_dim: int, family: str, batch: int = 4, deterministic_too: bool = True) -> None:
     segments = []
     while sum(n for _, n in segments) < 8192 - 512:
         segments += [("text", 200), ("image", 256)]
     segments.append(("text", 8192 - sum(n for _, n in segments)))
     layout = omnigen.Layout.from_segments(segments)
-    B, H, S, D = 4, 16, 8192, head_dim
+    B, H, S, D = batch, 16, 8192, head_dim
     q, k, v, d_o = _inputs(B, H, H, S, D, torch.bfloat16, strided=False)
-    batch = omnigen.Layout.batch([layout] * B)
-    plan = omnigen.plan(TRANSFUSION, batch, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    plan = omnigen.plan(TRANSFUSION, omnigen.Layout.batch([layout] * B), block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
     scale = 1 / math.sqrt(D)
     o, lse = run_forward(module, plan, q, k, v, scale)
     delta = run_delta(module, o, d_o)
@@ -361,14 +420,14 @@ def test_backward_speed_report(built_variants, head_dim, tile, family):
 
     forward = _timed(lambda: run_forward(module, plan, q, k, v, scale))
     atomic = _timed(lambda: backward(False))
-    deterministic = _timed(lambda: backward(True))
+    deterministic = _timed(lambda: backward(True)) if deterministic_too else float("nan")
     delta_time = _timed(lambda: run_delta(module, o, d_o))
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
     causal = _timed(lambda: torch.autograd.grad(out, (qq, kk, vv), d_o, retain_graph=True))
     flops = 2.5 * 4 * D * plan.allowed_pairs * H  # backward = 2.5 x forward (DESIGN section 7: fwd+bwd = 3.5 x)
     causal_flops = 2.5 * 4 * D * B * H * S * (S + 1) / 2
-    print(f"transfusion S=8192 B=4 H=16 D={D} {family} tile {module.BLOCK_M}x{module.BLOCK_N}: forward {forward * 1e3:.2f} ms "
+    print(f"transfusion S=8192 B={B} H=16 D={D} {family} tile {module.BLOCK_M}x{module.BLOCK_N}: forward {forward * 1e3:.2f} ms "
           f"({flops / 2.5 / forward / 1e12:.0f} TFLOP/s); backward atomic {atomic * 1e3:.2f} ms "
           f"({flops / atomic / 1e12:.0f} TFLOP/s effective), deterministic {deterministic * 1e3:.2f} ms "
           f"({flops / deterministic / 1e12:.0f}), Delta {delta_time * 1e3:.3f} ms; density {plan.density:.2f}; "

@@ -109,7 +109,7 @@ def test_the_hopper_backward_takes_128_keys_at_d64_and_d128_and_says_why_not_els
     problems = resources.Resources(config).hopper_backward_problems()
     assert (not problems) == hopper
     if not hopper:
-        assert any(word in " ".join(problems) for word in ("head dims", "block_n"))
+        assert any(word in " ".join(problems) for word in ("head dims", "block_n", "SPLIT_COLUMNS"))
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert ("hopper_dkdv_kernel" in backward) == hopper
     # The carried sm80 backward is always there under its own entry point; backward_launch picks.
@@ -117,6 +117,44 @@ def test_the_hopper_backward_takes_128_keys_at_d64_and_d128_and_says_why_not_els
     if hopper:  # its shared memory figure is the resource model's, and fits the GPU
         assert f"sizeof(SharedStorage) == {resources.Resources(config).hopper_shared_storage_bytes}" in backward
         assert resources.Resources(config).hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_d256_trains_on_the_hopper_backward_with_split_columns_once_switched_on(monkeypatch, split):
+    """d256: the CTA's 64 keys in both warpgroups, each holding dK/dV for half the head dims, dQ by atomics.
+    Off (resources.SPLIT_COLUMNS) until it has run on a GPU: the module then has no backward and says why."""
+    monkeypatch.setattr(resources, "SPLIT_COLUMNS", split)
+    config = KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))
+    r = resources.Resources(config)
+    assert r.hopper_split_columns
+    assert (not r.hopper_backward_problems()) == split and (not r.backward_problems()) == split
+    assert kernels.backward_problems(config) == r.backward_problems()
+    sources = codegen.render(RULES, config)
+    names = codegen.source_names(RULES, config)
+    backward, binding = sources[names["backward"]], sources[names["binding"]]
+    assert f"constexpr bool kHasBackward = {'true' if split else 'false'};" in binding
+    if not split:
+        assert "hopper_dkdv_kernel" not in backward and "SPLIT_COLUMNS is off" in binding
+        return
+    assert kernels.default_backward(config) == config
+    assert r.hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
+    assert f"sizeof(SharedStorage) == {r.hopper_shared_storage_bytes}" in backward
+    for text in ("constexpr bool kSplitColumns = true;", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+                 "wgmma_slice_values(gradient", "omnigen::atomic_add_pair(", "CUtensorMap q, k, v, d_o;"):
+        assert text in backward, text
+    # No TMA staging of dQ (no room beside K, V and two stages of Q and dO), and no sm80 kernels (none for d256):
+    # deterministic mode says so instead of running anything.
+    for text in ("accumulator_map", "reduce_add_box", "dkdv_kernel(const BackwardArgs"):
+        assert text not in backward, text
+    assert "deterministic=True runs the sm80 family's backward, which has none for" in backward
+
+
+def test_split_columns_leave_the_128_key_kernel_alone(monkeypatch):
+    monkeypatch.setattr(resources, "SPLIT_COLUMNS", True)
+    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
+    assert "constexpr bool kSplitColumns = false;" in backward and "wgmma_slice_values" not in backward
+    assert "reduce_add_box" in backward and "atomic_add_pair(" not in backward.split("namespace hopper")[1]
 
 
 def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():

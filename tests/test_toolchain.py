@@ -1,8 +1,9 @@
 """Toolchain discovery, arch flags, error messages, and (with nvcc) real builds for sm_80 and sm_90a.
 
-Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles three variants once
-(one sm_80, one sm_90a, and the sm_90a one with the sm90 forward's other scheduling -- persistent or
-not, whichever is not the default -- in one parallel ninja run) into a private cache.
+Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles four variants once
+(one sm_80, one sm_90a, the sm_90a one with the sm90 forward's other scheduling -- persistent or not,
+whichever is not the default -- and a d256 sm_90a one with the split-columns Hopper backward, in one
+parallel ninja run) into a private cache.
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def other_scheduling_variant() -> cache.Variant:
         return cache.variant(rules, SM90A)
     finally:
         resources.PERSISTENT = not flipped
+
+
+SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))
+
+
+def split_columns_variant() -> cache.Variant:
+    """The d256 sm90 module with the Hopper backward's split-columns kernel (resources.SPLIT_COLUMNS, off until
+    it has run on a GPU), so that CI compiles it too."""
+    from omnigen.kernels.sm90 import resources
+
+    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": "buildtest_split"})
+    saved, resources.SPLIT_COLUMNS = resources.SPLIT_COLUMNS, True
+    try:
+        return cache.variant(rules, SPLIT)
+    finally:
+        resources.SPLIT_COLUMNS = saved
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,13 +173,14 @@ def test_max_jobs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One sm_80 and one sm_90a variant and the sm_90a one's other scheduling, compiled together; yields the
-    cache dir and the build results."""
+    """One sm_80 and one sm_90a variant, the sm_90a one's other scheduling and the d256 split-columns one,
+    compiled together; yields the cache dir and the build results."""
     directory = tmp_path_factory.mktemp("omnigen-cache")
     previous = os.environ.get("OMNIGEN_CACHE_DIR")
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
-        variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant()]
+        variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
+                    split_columns_variant()]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -176,10 +194,13 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True, True, True]
-    for result in results[2:]:  # the sm90 forward's other scheduling: compiled, within the spill allowance
+    assert [r.built for r in results] == [True, True, True, True]
+    # The sm90 forward's other scheduling and the split-columns (d256) Hopper backward: compiled, within the
+    # spill allowances.
+    for result in results[2:]:
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
+    assert any("hopper_dkdv_kernel" in name for name in results[3].meta["ptxas"]["kernels"])
     for result, config in zip(results, (SM80, SM90A)):
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
@@ -240,7 +261,7 @@ def test_cli_on_a_built_cache(built, tmp_path):
     assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
     assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
-    assert listed.exit_code == 0 and "buildtest" in listed.output and "3 module(s)" in listed.output
+    assert listed.exit_code == 0 and "buildtest" in listed.output and "4 module(s)" in listed.output
 
 
 @pytest.mark.nvcc
@@ -270,5 +291,5 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
     assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
-    assert cleared.exit_code == 0 and "removed 3 module(s)" in cleared.output
+    assert cleared.exit_code == 0 and "removed 4 module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

@@ -25,6 +25,8 @@ class Sm80Family(KernelFamily):
         r = resources.Resources(config)
         t = config.tile
         backward_problems = r.backward_problems()
+        problem = ((f"this variant ({config.label}) has no backward kernel: " + "; ".join(backward_problems)).replace('"', "'")
+                   if backward_problems else "")
         return {
             "backward_entry": "backward_launch",  # the sm90 family's modules carry this backward under another name
             "warps": t.warps,
@@ -36,11 +38,12 @@ class Sm80Family(KernelFamily):
                 f"Half-tiles: {t.block_n} keys of fp32 scores would not fit in registers beside "
                 f"{t.block_m // t.warps} rows x {config.head_dim} outputs per warp (ptxas spills)."
             ),
+            # mma_backward: this template renders its backward kernels; backward_supported: the module has a
+            # backward (the binding's flag). They differ only in sm90 modules, which carry this backward.
+            "mma_backward": not backward_problems,
             "backward_supported": not backward_problems,
-            "backward_problem": (
-                (f"this variant ({config.label}) has no backward kernel: " + "; ".join(backward_problems)).replace('"', "'")
-                if backward_problems else ""
-            ),
+            "mma_backward_problem": problem,
+            "backward_problem": problem,
             "step_rows": r.BACKWARD_STEP_ROWS,
             "bwd_warps": r.backward_warps,
             "bwd_step_tiles": r.backward_step_tiles,

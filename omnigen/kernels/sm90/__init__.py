@@ -53,7 +53,17 @@ class Sm90Family(KernelFamily):
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
         hopper_problems = r.hopper_backward_problems()
-        context = SM80.render_context(r.sm80_backward_config())  # the backward kernels' keys
+        context = SM80.render_context(r.sm80_backward_config())  # the carried backward kernels' keys
+        if not hopper_problems and not context["mma_backward"]:
+            # The Hopper kernel is the module's backward; the carried sm80 one would serve deterministic mode.
+            context["mma_backward_problem"] = (
+                f"deterministic=True runs the sm80 family's backward, which has none for {config.label}: "
+                + context["mma_backward_problem"].split(": ", 1)[-1]
+                + "; call with deterministic=False (the Hopper backward)")
+        elif hopper_problems and not context["mma_backward"]:
+            context["backward_problem"] = (
+                f"this variant ({config.label}) has no backward kernel: " + "; ".join(hopper_problems) + "; and "
+                + context["mma_backward_problem"].split(": ", 1)[-1]).replace('"', "'")
         context.update({
             "warps": config.tile.warps,
             "stages": config.tile.stages,
@@ -63,7 +73,9 @@ class Sm90Family(KernelFamily):
             "consumer_registers": resources.CONSUMER_REGISTERS,
             "pingpong": resources.PINGPONG,
             "backward_entry": "sm80_backward_launch",
+            "backward_supported": context["mma_backward"] or not hopper_problems,
             "hopper_backward": not hopper_problems,
+            "hopper_split_columns": r.hopper_split_columns,
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": resources.HOPPER_STAGES,

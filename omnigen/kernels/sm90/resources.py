@@ -22,10 +22,19 @@ CONSUMER_REGISTERS = 232  # 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536
 # Scores (block_n / 2), output (head_dim / 2) and P (block_n / 4) fp32/packed registers per consumer
 # thread must leave room for addresses, softmax state and the mask tables under CONSUMER_REGISTERS.
 MAX_TILE_REGISTERS = 184
-# The Hopper backward (hopper_dkdv_kernel): two consumer warpgroups of 64 keys each hold dK and dV (64 x
-# head_dim fp32 each) beside S^T and dP^T of a 64-query step, so the producer gives up more registers.
-HOPPER_BACKWARD_HEAD_DIMS = (64, 128)
-HOPPER_BACKWARD_BLOCK_N = 128
+# The Hopper backward (hopper_dkdv_kernel) and the kv-tile (block_n) it takes per head dim. At d64 and d128 each
+# of the two consumer warpgroups takes 64 keys and holds their dK and dV (64 x head_dim fp32 each) beside S^T
+# and dP^T of a 64-query step, so the producer gives up more registers. At d256 that would be 256 accumulator
+# registers a thread, so the CTA takes 64 keys and the warpgroups split the head dims ("split columns"): both
+# compute the same S^T and dP^T (a sixth product per step, 7/5 of the tensor work), each keeps dK and dV for
+# its 128 head dims, and dQ goes to global memory by vector atomics (shared memory has no room for a TMA
+# staging buffer beside K, V and two stages of Q and dO: 192 of 227 KB).
+HOPPER_BACKWARD_BLOCK_N = {64: 128, 128: 128, 256: 64}
+HOPPER_BACKWARD_HEAD_DIMS = tuple(HOPPER_BACKWARD_BLOCK_N)
+# The split-columns kernel (d256) is built and compiled (CI, sm_90a) but has not yet run on a GPU: it stays
+# off, so that d256 keeps refusing the backward with a clear message rather than risk wrong gradients, until
+# `pytest -m gpu tests/test_kernel_backward_gpu.py -k split` passes on an H100/H200 (RESULTS.md).
+SPLIT_COLUMNS = False
 HOPPER_STEP_ROWS = 64
 HOPPER_STAGES = 2
 HOPPER_PRODUCER_REGISTERS = 24
@@ -93,14 +102,20 @@ class Resources:
         return self.shared_storage_bytes + 1024
 
     @property
+    def hopper_split_columns(self) -> bool:
+        """Whether the Hopper backward's warpgroups share the CTA's 64 keys and split the head dims (d256)."""
+        return self.config.tile.block_n == 64
+
+    @property
     def hopper_shared_storage_bytes(self) -> int:
         """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers, the step's dQ
-        (fp32, on its way to TMA), stages x the rows' tables (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
+        (fp32, on its way to TMA; none with split columns, whose dQ goes by atomics), stages x the rows' tables
+        (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
         t = self.config.tile
         kv = t.block_n * 128 * self.boxes
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
         ds = t.block_n * HOPPER_STEP_ROWS * 2
-        dq = HOPPER_STEP_ROWS * self.config.head_dim * 4
+        dq = 0 if self.hopper_split_columns else HOPPER_STEP_ROWS * self.config.head_dim * 4
         tables = HOPPER_STAGES * 5 * HOPPER_STEP_ROWS * 4
         barriers = 8 * (1 + 2 * HOPPER_STAGES)
         return -(-(2 * kv + 2 * HOPPER_STAGES * rows + 2 * ds + dq + tables + barriers) // 1024) * 1024
@@ -109,12 +124,16 @@ class Resources:
         """Why the module's backward is not the Hopper kernel (it then runs the sm80 one it carries)."""
         c, t = self.config, self.config.tile
         out = []
-        if c.head_dim not in HOPPER_BACKWARD_HEAD_DIMS:
-            out.append(f"the Hopper backward covers head dims {HOPPER_BACKWARD_HEAD_DIMS}, not {c.head_dim} "
-                       "(dK and dV of 64 keys would not fit a warpgroup's registers)")
-        if t.block_n != HOPPER_BACKWARD_BLOCK_N:
-            out.append(f"the Hopper backward takes block_n {HOPPER_BACKWARD_BLOCK_N} (two warpgroups of 64 keys), "
-                       f"not {t.block_n}")
+        block_n = HOPPER_BACKWARD_BLOCK_N.get(c.head_dim)
+        if block_n is None:
+            out.append(f"the Hopper backward covers head dims {HOPPER_BACKWARD_HEAD_DIMS}, not {c.head_dim}")
+        elif t.block_n != block_n:
+            shape = ("two warpgroups of 64 keys" if block_n == 128 else
+                     "64 keys, the warpgroups splitting the head dims: dK and dV of 128 keys would not fit")
+            out.append(f"the Hopper backward takes block_n {block_n} at head_dim {c.head_dim} ({shape}), not {t.block_n}")
+        elif block_n == 64 and not SPLIT_COLUMNS:
+            out.append(f"the Hopper backward for head_dim {c.head_dim} (split columns) has not yet run on a GPU "
+                       "(omnigen.kernels.sm90.resources.SPLIT_COLUMNS is off)")
         if not out and self.hopper_shared_storage_bytes + 1024 > ARCH_TABLE[c.arch].shared_memory:
             out.append(f"the Hopper backward needs {self.hopper_shared_storage_bytes + 1024} bytes of shared memory")
         return out
@@ -126,6 +145,9 @@ class Resources:
         return KernelConfig(c.head_dim, c.dtype, c.arch, TileConfig(t.block_m, t.block_n, 8, 2), kernel_family="sm80")
 
     def backward_problems(self) -> list[str]:
+        """Why the module has no backward at all: neither the Hopper kernel nor the carried sm80 one takes it."""
+        if not self.hopper_backward_problems():
+            return []
         return Sm80Resources(self.sm80_backward_config()).backward_problems()
 
     def problems(self) -> list[str]:
