@@ -1,5 +1,6 @@
 """The generated backward kernels against float64 gradients, on a GPU (skipped without one). The sm90 d256
-backward (split columns, off by default until it has run on a GPU) is tested with its switch on (`-k split`).
+backward (split columns) and the Hopper deterministic mode (ordered dQ), both off by default until they have
+run on a GPU, are tested with their switches on (`-k split`, `-k ordered`).
 
 Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
 raw-pointer `forward`, then `backward_delta` and `backward` through the library's own launchers, and compares dq, dk and dv
@@ -118,8 +119,10 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     """(dq, dk, dv) in float32, dk/dv summed over each GQA group as the op does."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
-    # Atomic mode adds into dq_accum, so it starts at zero; deterministic mode overwrites it: poison it.
-    dq_accum = torch.full((B, Hq, S, D), float("nan") if deterministic else 0.0, device=q.device, dtype=torch.float32)
+    # Atomic mode and the ordered dQ add into dq_accum, so it starts at zero; the sm80 deterministic dQ kernel
+    # overwrites it: poison it.
+    overwritten = deterministic and not getattr(module, "ORDERED_DQ", False)
+    dq_accum = torch.full((B, Hq, S, D), float("nan") if overwritten else 0.0, device=q.device, dtype=torch.float32)
     if Hq == Hkv:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
         shape = (B, S, Hkv, D) if strided_out else (B, Hkv, S, D)
         dk = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
@@ -300,6 +303,67 @@ def test_sm90_split_columns_speed_report():
                       deterministic_too=False)
 
 
+# ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (resources.ORDERED_DQ, off until
+# these pass on a GPU; then deterministic mode runs the carried sm80 backward).
+
+
+@contextlib.contextmanager
+def _ordered_dq():
+    saved, sm90_resources.ORDERED_DQ = sm90_resources.ORDERED_DQ, True
+    try:
+        yield
+    finally:
+        sm90_resources.ORDERED_DQ = saved
+
+
+def _ordered_rules(rules: omnigen.Rules) -> omnigen.Rules:
+    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_ordered"})
+
+
+def _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs):
+    """Run the backward `runs` more times on the same inputs; each must give `first` bit for bit."""
+    layouts = [omnigen.Layout.parse(t) for t in layout_texts]
+    layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
+    B, S = len(layouts), layouts[0].seq_len
+    q, k, v, d_o = _inputs(B, Hq, Hkv, S, head_dim, DTYPES[dtype], strided)
+    scale = 1.0 / math.sqrt(head_dim)
+    plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    o, lse = run_forward(module, plan, q, k, v, scale)
+    delta = run_delta(module, o, d_o)
+    for _ in range(runs):
+        again = run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=True, strided_out=strided)
+        for a, b, label in zip(first, again, ("dq", "dk", "dv")):
+            assert torch.equal(a, b), f"deterministic {label} differs between two identical calls"
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16")])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_ordered_dq_deterministic_backward(case, head_dim, dtype):
+    """Against float64, then four more runs with identical bits (five in all)."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules on one variant only")
+    strided = name == "pad_docs_strided"
+    with _ordered_dq():
+        module = _module(_ordered_rules(rules), head_dim, dtype, family="sm90")
+        assert module.ORDERED_DQ
+        first = _check_case(_ordered_rules(rules), layout_texts, Hq, Hkv, head_dim, dtype, strided=strided,
+                            deterministic=True, name=name, family="sm90")
+        _same_bits_again(module, _ordered_rules(rules), layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_ordered_dq_speed_report():
+    """One rough figure: deterministic (ordered dQ) beside atomic order, d128 Transfusion 8K (the issue allows 15%)."""
+    _skip_unless_family_runs("sm90")
+    with _ordered_dq():
+        _speed_report(_module(_ordered_rules(TRANSFUSION), 128, "bf16", family="sm90"), 128, "sm90 ordered")
+
+
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("s17_gqa", "pad_docs_strided", "misaligned_images_1000",
                                                               "all_pad_rows", "mixed_windows")],
@@ -414,8 +478,8 @@ def _speed_report(module, head_dim: int, family: str, batch: int = 4, determinis
     dk, dv = torch.empty_like(k), torch.empty_like(v)
 
     def backward(deterministic):
-        if not deterministic:
-            dq_accum.zero_()  # the caller's job in atomic mode, so it is timed with it
+        if not deterministic or module.ORDERED_DQ:
+            dq_accum.zero_()  # the caller's job when the kernels add into it, so it is timed with it
         launch_backward(module, plan, q, k, v, o, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
 
     forward = _timed(lambda: run_forward(module, plan, q, k, v, scale))

@@ -93,6 +93,27 @@ def test_batched_plan_is_each_layout_planned_alone(data, block_m, block_n):
     assert p.allowed_pairs == int(masks.sum())
 
 
+@settings(max_examples=150)
+@given(st.data(), block_sizes, block_sizes)
+def test_dq_ranks_count_the_lower_kv_tiles_of_each_q_tile(data, block_m, block_n):
+    """Plan.dq_ranks (the order of deterministic mode's dQ additions on Hopper): for each backward-schedule entry
+    (kv-tile j, q-tile i), the kv-tiles below j that q-tile i visits -- from the dense tile kinds."""
+    rule_set = data.draw(rules())
+    items = [data.draw(layouts(rule_set)) for _ in range(data.draw(st.integers(1, 3)))]
+    S = max(item.seq_len for item in items)
+    batch = omnigen.Layout.batch([item.pad_end(S) for item in items])
+    p = omnigen.plan(rule_set, batch, block_m, block_n)
+    visited = (p.kinds != EMPTY).int()  # [B, nq, nk]
+    below = visited.cumsum(-1) - visited  # visited kv-tiles before each one, per q-tile row
+    expected = []
+    for b in range(p.batch_size):
+        for j in range(p.num_kv_tiles):
+            column = p.backward_tiles(j, batch=b)
+            expected += [int(below[b, i, j]) for kind in ("full", "causal", "partial") for i in column[kind]]
+    ranks = p.dq_ranks()
+    assert ranks.dtype == torch.int32 and ranks.tolist() == expected
+
+
 def test_transfusion_tile_kinds_by_hand():
     rules = omnigen.Rules(name="t", modalities={"text": "causal", "image": "full"})
     layout = omnigen.Layout.parse("text:32 image:32 text:32")

@@ -157,6 +157,25 @@ def test_split_columns_leave_the_128_key_kernel_alone(monkeypatch):
     assert "reduce_add_box" in backward and "atomic_add_pair(" not in backward.split("namespace hopper")[1]
 
 
+@pytest.mark.parametrize("ordered", [False, True])
+def test_ordered_dq_is_deterministic_modes_own_kernel_instance(monkeypatch, ordered):
+    """resources.ORDERED_DQ: deterministic mode runs hopper_dkdv_kernel<true> (a writer warp adds dQ in kv-tile
+    order) instead of the carried sm80 backward; the atomic-order instance is the same code either way."""
+    monkeypatch.setattr(resources, "ORDERED_DQ", ordered)
+    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    assert resources.Resources(config).hopper_ordered_dq == ordered
+    sources = codegen.render(RULES, config)
+    names = codegen.source_names(RULES, config)
+    backward, binding = sources[names["backward"]], sources[names["binding"]]
+    assert f"constexpr bool kOrderedDq = {'true' if ordered else 'false'};" in binding
+    assert "hopper_dkdv_kernel<false><<<" in backward
+    assert ("hopper_dkdv_kernel<true><<<" in backward) == ordered
+    assert ("void write_query_gradient_in_order(" in backward) == ordered
+    # Not with split columns: their dQ goes by per-thread atomics, which no counter orders.
+    monkeypatch.setattr(resources, "SPLIT_COLUMNS", True)
+    assert not resources.Resources(KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))).hopper_ordered_dq
+
+
 def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():
     default = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
     assert kernels.default_backward(default) == default

@@ -1,9 +1,9 @@
 """Toolchain discovery, arch flags, error messages, and (with nvcc) real builds for sm_80 and sm_90a.
 
-Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles four variants once
+Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles five variants once
 (one sm_80, one sm_90a, the sm_90a one with the sm90 forward's other scheduling -- persistent or not,
-whichever is not the default -- and a d256 sm_90a one with the split-columns Hopper backward, in one
-parallel ninja run) into a private cache.
+whichever is not the default -- and two sm_90a ones with a Hopper backward switch on: the d256
+split-columns kernel and deterministic mode's ordered dQ; in one parallel ninja run) into a private cache.
 """
 
 from __future__ import annotations
@@ -49,17 +49,22 @@ def other_scheduling_variant() -> cache.Variant:
 SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))
 
 
-def split_columns_variant() -> cache.Variant:
-    """The d256 sm90 module with the Hopper backward's split-columns kernel (resources.SPLIT_COLUMNS, off until
-    it has run on a GPU), so that CI compiles it too."""
+ORDERED = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2))
+
+
+def switched_on_variant(switch: str, config: KernelConfig) -> cache.Variant:
+    """An sm90 module with one of the Hopper backward's switches on (resources.SPLIT_COLUMNS: the d256 kernel;
+    resources.ORDERED_DQ: deterministic mode's ordered dQ), off until they have run on a GPU, so that CI compiles
+    them too. The rules get a name of their own (a module's name does not say which switches were on)."""
     from omnigen.kernels.sm90 import resources
 
-    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": "buildtest_split"})
-    saved, resources.SPLIT_COLUMNS = resources.SPLIT_COLUMNS, True
+    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": f"buildtest_{switch.lower()}"})
+    saved = getattr(resources, switch)
+    setattr(resources, switch, True)
     try:
-        return cache.variant(rules, SPLIT)
+        return cache.variant(rules, config)
     finally:
-        resources.SPLIT_COLUMNS = saved
+        setattr(resources, switch, saved)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,14 +178,14 @@ def test_max_jobs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One sm_80 and one sm_90a variant, the sm_90a one's other scheduling and the d256 split-columns one,
-    compiled together; yields the cache dir and the build results."""
+    """One sm_80 and one sm_90a variant, the sm_90a one's other scheduling and the two switched-on Hopper
+    backwards, compiled together; yields the cache dir and the build results."""
     directory = tmp_path_factory.mktemp("omnigen-cache")
     previous = os.environ.get("OMNIGEN_CACHE_DIR")
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    split_columns_variant()]
+                    switched_on_variant("SPLIT_COLUMNS", SPLIT), switched_on_variant("ORDERED_DQ", ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -194,13 +199,14 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True, True, True, True]
-    # The sm90 forward's other scheduling and the split-columns (d256) Hopper backward: compiled, within the
-    # spill allowances.
+    assert [r.built for r in results] == [True] * 5
+    # The sm90 forward's other scheduling, the split-columns (d256) Hopper backward and the ordered-dQ one:
+    # compiled, within the spill allowances.
     for result in results[2:]:
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
-    assert any("hopper_dkdv_kernel" in name for name in results[3].meta["ptxas"]["kernels"])
+    assert sum("hopper_dkdv_kernel" in name for name in results[3].meta["ptxas"]["kernels"]) == 1
+    assert sum("hopper_dkdv_kernel" in name for name in results[4].meta["ptxas"]["kernels"]) == 2  # both orders
     for result, config in zip(results, (SM80, SM90A)):
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
@@ -261,7 +267,7 @@ def test_cli_on_a_built_cache(built, tmp_path):
     assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
     assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
-    assert listed.exit_code == 0 and "buildtest" in listed.output and "4 module(s)" in listed.output
+    assert listed.exit_code == 0 and "buildtest" in listed.output and "5 module(s)" in listed.output
 
 
 @pytest.mark.nvcc
@@ -291,5 +297,5 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
     assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
-    assert cleared.exit_code == 0 and "removed 4 module(s)" in cleared.output
+    assert cleared.exit_code == 0 and "removed 5 module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

@@ -47,10 +47,15 @@ def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: tor
 def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor,
                     dk: torch.Tensor, dv: torch.Tensor, scale: float, deterministic: bool) -> None:
-    """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed unless deterministic (then
-    overwritten); dk/dv are the element type [B, Hkv, S, D], or float32 per q head [B, Hq, S, D] for GQA."""
+    """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed (unless deterministic on a module
+    without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or float32 per q head
+    [B, Hq, S, D] for GQA."""
     B, Hq, S, _ = q.shape
     t = p.tables
+    ordered = {}
+    if deterministic and getattr(module, "ORDERED_DQ", False):  # the order of the dQ additions, per 64-row block
+        ordered = {"dq_rank": p.dq_ranks(),
+                   "dq_semaphore": torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)}
     module.backward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
         delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
@@ -59,7 +64,7 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
         B, Hq, k.shape[1], S, scale,
         p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(), p.bwd_ptr.data_ptr(), p.bwd_q.data_ptr(),
         t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-        deterministic, _stream(),
+        deterministic, _stream(), **{name: x.data_ptr() for name, x in ordered.items()},
     )
 
 

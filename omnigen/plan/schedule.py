@@ -104,6 +104,24 @@ class Plan:
         """Bytes of schedule metadata a kernel reads (the O(S) layout tables not included)."""
         return sum(t.numel() * t.element_size() for t in (self.fwd_ptr, self.fwd_kv, self.bwd_ptr, self.bwd_q))
 
+    def dq_ranks(self) -> torch.Tensor:
+        """int32 [num_tiles], parallel to `bwd_q`: for each backward-schedule entry (kv-tile j, q-tile i), how many
+        kv-tiles before j (in index order) the q-tile's row visits.
+
+        Deterministic mode on Hopper adds a q-tile's dQ contributions in this order: the kv-tile of rank r waits
+        until the q-tile's counter reaches r, so every dQ element gets the same sums in the same order on every
+        run, and a kv-tile only ever waits for lower-indexed ones (earlier CTAs of the grid: no deadlock)."""
+        nq, nk, rows, columns = self.num_q_tiles, self.num_kv_tiles, self.batch_size * self.num_q_tiles, \
+            self.batch_size * self.num_kv_tiles
+        total, device = int(self.fwd_ptr[3 * rows]), self.device
+        fwd_ptr, bwd_ptr = self.fwd_ptr.long(), self.bwd_ptr.long()
+        row_of = torch.repeat_interleave(torch.arange(rows, device=device), fwd_ptr[3::3] - fwd_ptr[:-1:3])
+        visited = (row_of * nk + self.fwd_kv[:total].long()).sort().values  # rows in order, kv-tiles ascending
+        column_of = torch.repeat_interleave(torch.arange(columns, device=device), bwd_ptr[3::3] - bwd_ptr[:-1:3])
+        row = (column_of // nk) * nq + self.bwd_q[:total].long()
+        position = torch.searchsorted(visited, row * nk + column_of % nk)
+        return (position - fwd_ptr[3 * row]).to(torch.int32)
+
     def forward_tiles(self, q_tile: int, batch: int = 0) -> dict[str, list[int]]:
         """kv-tiles of one q-tile, by kind (for inspection and tests)."""
         return _schedule_row(self.fwd_ptr, self.fwd_kv, batch * self.num_q_tiles + q_tile)

@@ -43,6 +43,7 @@ class Sm80Family(KernelFamily):
             "mma_backward": not backward_problems,
             "backward_supported": not backward_problems,
             "mma_backward_problem": problem,
+            "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
             "backward_problem": problem,
             "step_rows": r.BACKWARD_STEP_ROWS,
             "bwd_warps": r.backward_warps,

@@ -35,6 +35,12 @@ HOPPER_BACKWARD_HEAD_DIMS = tuple(HOPPER_BACKWARD_BLOCK_N)
 # off, so that d256 keeps refusing the backward with a clear message rather than risk wrong gradients, until
 # `pytest -m gpu tests/test_kernel_backward_gpu.py -k split` passes on an H100/H200 (RESULTS.md).
 SPLIT_COLUMNS = False
+# Deterministic mode on the Hopper backward (kOrderedDq): dQ still leaves each CTA by TMA reduce-add, but one
+# thread adds the whole step's rows once the (batch, head, 64 rows) counter says every lower kv-tile visiting
+# them has added its own (ranks from Plan.dq_ranks), so the sums come in the same order on every run. Built and
+# compiled, never run on a GPU: off (deterministic mode runs the carried sm80 backward) until
+# `pytest -m gpu tests/test_kernel_backward_gpu.py -k ordered` passes on an H100/H200.
+ORDERED_DQ = False
 HOPPER_STEP_ROWS = 64
 HOPPER_STAGES = 2
 HOPPER_PRODUCER_REGISTERS = 24
@@ -105,6 +111,12 @@ class Resources:
     def hopper_split_columns(self) -> bool:
         """Whether the Hopper backward's warpgroups share the CTA's 64 keys and split the head dims (d256)."""
         return self.config.tile.block_n == 64
+
+    @property
+    def hopper_ordered_dq(self) -> bool:
+        """Whether deterministic mode runs the Hopper backward, its dQ additions ordered by kv-tile (not with split
+        columns: their dQ goes by per-thread atomics, which no counter can order)."""
+        return ORDERED_DQ and not self.hopper_split_columns and not self.hopper_backward_problems()
 
     @property
     def hopper_shared_storage_bytes(self) -> int:

@@ -34,6 +34,11 @@ struct BackwardArgs {
   const int32_t* token_modality;  // LayoutTables.token_modality [batch, seq_len]
   const int32_t* token_doc;       // LayoutTables.token_doc [batch, seq_len]
   int deterministic;  // 0: dQ by atomicAdd from the dK/dV kernel; 1: a second kernel per q-tile, no atomics
+  // Deterministic mode of modules whose Hopper backward orders its dQ additions (ORDERED_DQ): each
+  // backward-schedule entry's rank among its q-tile's kv-tiles (omnigen.Plan.dq_ranks, parallel to bwd_q) and
+  // one zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise.
+  const int32_t* dq_rank;
+  int32_t* dq_semaphore;
 };
 
 // rowsum(dO * O) per query row, the Delta the backward reads.

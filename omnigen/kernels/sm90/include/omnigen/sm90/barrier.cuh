@@ -55,4 +55,22 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Counters in global memory that order work across CTAs (deterministic dQ): one thread spins until the
+// counter reaches `value` (acquire: what the CTAs before it wrote is then ordered before what follows), and
+// one thread adds 1 when its own writes are done (release). The global writes of finished bulk copies
+// (cp.async.bulk.wait_group) belong to the async proxy: fence them into the generic proxy first.
+__device__ __forceinline__ void counter_wait(const int32_t* counter, int32_t value) {
+  int32_t seen;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen == value) return;
+    __nanosleep(64);
+  }
+}
+
+__device__ __forceinline__ void counter_release_add(int32_t* counter) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+
 }  // namespace omnigen::sm90
