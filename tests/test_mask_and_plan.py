@@ -114,6 +114,49 @@ def test_dq_ranks_count_the_lower_kv_tiles_of_each_q_tile(data, block_m, block_n
     assert ranks.dtype == torch.int32 and ranks.tolist() == expected
 
 
+@settings(max_examples=100)
+@given(st.data(), block_sizes, block_sizes, st.integers(1, 4))
+def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_n, resident):
+    """Deterministic mode's dQ protocol, simulated: CTAs (one per kv-tile and batch element, launched in grid
+    order, at most `resident` at a time) walk their backward schedules in the kernels' order (full, causal,
+    partial q-tiles); at each q-tile a CTA waits until the q-tile's counter equals its rank (Plan.dq_ranks),
+    adds, and bumps the counter. Every CTA finishes, and each q-tile's additions come in kv-tile order."""
+    rule_set = data.draw(rules())
+    items = [data.draw(layouts(rule_set)) for _ in range(data.draw(st.integers(1, 2)))]
+    S = max(item.seq_len for item in items)
+    batch = omnigen.Layout.batch([item.pad_end(S) for item in items])
+    p = omnigen.plan(rule_set, batch, block_m, block_n)
+    ranks = p.dq_ranks().tolist()
+    work, entry = [], 0  # per CTA in launch order (kv-tiles fastest): [(q-tile row, rank), ...]
+    for b in range(p.batch_size):
+        for j in range(p.num_kv_tiles):
+            column = p.backward_tiles(j, batch=b)
+            q_tiles = column["full"] + column["causal"] + column["partial"]
+            work.append([(b * p.num_q_tiles + i, ranks[entry + n]) for n, i in enumerate(q_tiles)])
+            entry += len(q_tiles)
+    counters, added = {}, {}
+    waiting, running, progress = list(range(len(work))), [], [0] * len(work)
+    while waiting or running:
+        while waiting and len(running) < resident:
+            running.append(waiting.pop(0))
+        moved = False
+        for cta in list(running):
+            if progress[cta] == len(work[cta]):
+                running.remove(cta)
+                moved = True
+                continue
+            row, rank = work[cta][progress[cta]]
+            if counters.get(row, 0) == rank:
+                counters[row] = rank + 1
+                added.setdefault(row, []).append(cta % p.num_kv_tiles)
+                progress[cta] += 1
+                moved = True
+        assert moved, "the ordered dQ deadlocks"
+    for row, kv_tiles in added.items():  # each q-tile's visited kv-tiles, every one once, in index order
+        visited = p.forward_tiles(row % p.num_q_tiles, batch=row // p.num_q_tiles)
+        assert kv_tiles == sorted(visited["full"] + visited["causal"] + visited["partial"]), (row, kv_tiles)
+
+
 def test_transfusion_tile_kinds_by_hand():
     rules = omnigen.Rules(name="t", modalities={"text": "causal", "image": "full"})
     layout = omnigen.Layout.parse("text:32 image:32 text:32")

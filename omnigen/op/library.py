@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..kernels import family_of, kernel_ready
+from ..plan.schedule import dq_ranks
 
 KERNEL_PREFIX = "kernel:"
 RULES_PREFIX = "rules:"
@@ -114,6 +115,11 @@ class Schedules(NamedTuple):
     @property
     def num_kv_tiles(self) -> int:
         return -(-self.seq_len // self.block_n)
+
+    def dq_ranks(self) -> torch.Tensor:
+        """The order of deterministic mode's dQ additions on Hopper (omnigen.plan.schedule.dq_ranks)."""
+        return dq_ranks(self.fwd_ptr, self.fwd_kv, self.bwd_ptr, self.bwd_q, self.batch_size, self.num_q_tiles,
+                        self.num_kv_tiles)
 
     @property
     def device(self) -> torch.device:

@@ -105,22 +105,9 @@ class Plan:
         return sum(t.numel() * t.element_size() for t in (self.fwd_ptr, self.fwd_kv, self.bwd_ptr, self.bwd_q))
 
     def dq_ranks(self) -> torch.Tensor:
-        """int32 [num_tiles], parallel to `bwd_q`: for each backward-schedule entry (kv-tile j, q-tile i), how many
-        kv-tiles before j (in index order) the q-tile's row visits.
-
-        Deterministic mode on Hopper adds a q-tile's dQ contributions in this order: the kv-tile of rank r waits
-        until the q-tile's counter reaches r, so every dQ element gets the same sums in the same order on every
-        run, and a kv-tile only ever waits for lower-indexed ones (earlier CTAs of the grid: no deadlock)."""
-        nq, nk, rows, columns = self.num_q_tiles, self.num_kv_tiles, self.batch_size * self.num_q_tiles, \
-            self.batch_size * self.num_kv_tiles
-        total, device = int(self.fwd_ptr[3 * rows]), self.device
-        fwd_ptr, bwd_ptr = self.fwd_ptr.long(), self.bwd_ptr.long()
-        row_of = torch.repeat_interleave(torch.arange(rows, device=device), fwd_ptr[3::3] - fwd_ptr[:-1:3])
-        visited = (row_of * nk + self.fwd_kv[:total].long()).sort().values  # rows in order, kv-tiles ascending
-        column_of = torch.repeat_interleave(torch.arange(columns, device=device), bwd_ptr[3::3] - bwd_ptr[:-1:3])
-        row = (column_of // nk) * nq + self.bwd_q[:total].long()
-        position = torch.searchsorted(visited, row * nk + column_of % nk)
-        return (position - fwd_ptr[3 * row]).to(torch.int32)
+        """The order of deterministic mode's dQ additions on Hopper: see `dq_ranks` (the function)."""
+        return dq_ranks(self.fwd_ptr, self.fwd_kv, self.bwd_ptr, self.bwd_q, self.batch_size, self.num_q_tiles,
+                        self.num_kv_tiles)
 
     def forward_tiles(self, q_tile: int, batch: int = 0) -> dict[str, list[int]]:
         """kv-tiles of one q-tile, by kind (for inspection and tests)."""
@@ -157,3 +144,24 @@ class Plan:
 def _schedule_row(ptr: torch.Tensor, index: torch.Tensor, row: int) -> dict[str, list[int]]:
     bounds = ptr[3 * row : 3 * row + 4].tolist()
     return {KIND_NAMES[k]: index[bounds[g] : bounds[g + 1]].tolist() for g, k in enumerate(SCHEDULE_KINDS)}
+
+
+def dq_ranks(fwd_ptr: torch.Tensor, fwd_kv: torch.Tensor, bwd_ptr: torch.Tensor, bwd_q: torch.Tensor, batch_size: int,
+             num_q_tiles: int, num_kv_tiles: int) -> torch.Tensor:
+    """int32 [tiles], parallel to `bwd_q`: for each backward-schedule entry (kv-tile j, q-tile i), how many
+    kv-tiles before j (in index order) the q-tile's row visits.
+
+    Deterministic mode on Hopper adds a q-tile's dQ contributions in this order: the kv-tile of rank r waits
+    until the q-tile's counter reaches r, so every dQ element gets the same sums in the same order on every
+    run, and a kv-tile only ever waits for lower-indexed ones (earlier CTAs of the grid: no deadlock). Memory:
+    a few int64 copies of the tile count, like the plan itself."""
+    nq, nk = num_q_tiles, num_kv_tiles
+    rows, columns = batch_size * nq, batch_size * nk
+    total, device = int(fwd_ptr[3 * rows]), fwd_kv.device
+    fwd, bwd = fwd_ptr.long(), bwd_ptr.long()
+    row_of = torch.repeat_interleave(torch.arange(rows, device=device), fwd[3::3] - fwd[:-1:3])
+    visited = (row_of * nk + fwd_kv[:total].long()).sort().values  # rows in order, kv-tiles ascending in each
+    column_of = torch.repeat_interleave(torch.arange(columns, device=device), bwd[3::3] - bwd[:-1:3])
+    row = (column_of // nk) * nq + bwd_q[:total].long()
+    position = torch.searchsorted(visited, row * nk + column_of % nk)
+    return (position - fwd[3 * row]).to(torch.int32)
