@@ -1,6 +1,7 @@
 """The generated backward kernels against float64 gradients, on a GPU (skipped without one). The sm90 d256
-backward (split columns) and the Hopper deterministic mode (ordered dQ), both off by default until they have
-run on a GPU, are tested with their switches on (`-k split`, `-k ordered`).
+backward (split columns), the Hopper deterministic mode (ordered dQ) and GQA groups summed in the kernel, all
+off by default until they have run on a GPU, are tested with their switches on (`-k split`, `-k ordered`,
+`-k grouped`).
 
 Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
 raw-pointer `forward`, then `backward_delta` and `backward` through the library's own launchers, and compares dq, dk and dv
@@ -30,7 +31,7 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import spill_allowance
 from omnigen.jit import cache
-from omnigen.kernels.launch import launch_backward, launch_delta, launch_forward
+from omnigen.kernels.launch import grouped_dkdv, launch_backward, launch_delta, launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.kernels.sm90 import resources as sm90_resources
@@ -123,7 +124,8 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     # overwrites it: poison it.
     overwritten = deterministic and not getattr(module, "ORDERED_DQ", False)
     dq_accum = torch.full((B, Hq, S, D), float("nan") if overwritten else 0.0, device=q.device, dtype=torch.float32)
-    if Hq == Hkv:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
+    partials = Hq != Hkv and not grouped_dkdv(module, Hq, Hkv, deterministic)
+    if not partials:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
         shape = (B, S, Hkv, D) if strided_out else (B, Hkv, S, D)
         dk = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
         dv = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
@@ -134,7 +136,7 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
         dv = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
     launch_backward(module, plan, q, k, v, o, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
     torch.cuda.synchronize()
-    if Hq != Hkv:
+    if partials:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
         dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2)
     return dq_accum, dk.float(), dv.float()
@@ -362,6 +364,42 @@ def test_sm90_ordered_dq_speed_report():
     _skip_unless_family_runs("sm90")
     with _ordered_dq():
         _speed_report(_module(_ordered_rules(TRANSFUSION), 128, "bf16", family="sm90"), 128, "sm90 ordered")
+
+
+# ---- GQA on the Hopper backward: each kv head's query heads summed in the kernel (resources.GQA_IN_KERNEL, off
+# until these pass on a GPU; then dK/dV come as fp32 partials per query head that the caller sums).
+
+GQA_CASES = [c for c in CASES if c[3] != c[4]]
+
+
+@pytest.mark.parametrize("mode", ["atomic", "ordered"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
+@pytest.mark.parametrize("case", GQA_CASES, ids=[c[0] for c in GQA_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_grouped_gqa_backward(case, head_dim, dtype, mode):
+    """dK/dV of a GQA group summed in the kernel, written once in the element type; with atomic dQ, and with
+    deterministic mode's ordered dQ (five runs, same bits); d256 on the split-columns kernel (atomic only)."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    if head_dim == 256 and mode == "ordered":
+        pytest.skip("split columns have no ordered dQ")
+    strided = name == "pad_docs_strided"
+    switches = {"GQA_IN_KERNEL": True, "ORDERED_DQ": mode == "ordered", "SPLIT_COLUMNS": head_dim == 256}
+    saved = {switch: getattr(sm90_resources, switch) for switch in switches}
+    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_grouped_{mode}"})
+    try:
+        for switch, value in switches.items():
+            setattr(sm90_resources, switch, value)
+        module = _module(named, head_dim, dtype, family="sm90")
+        assert module.GQA_IN_KERNEL and grouped_dkdv(module, Hq, Hkv, mode == "ordered")
+        first = _check_case(named, layout_texts, Hq, Hkv, head_dim, dtype, strided=strided,
+                            deterministic=mode == "ordered", name=name, family="sm90")
+        if mode == "ordered":
+            _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
+    finally:
+        for switch, value in saved.items():
+            setattr(sm90_resources, switch, value)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])

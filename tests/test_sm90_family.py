@@ -176,6 +176,21 @@ def test_ordered_dq_is_deterministic_modes_own_kernel_instance(monkeypatch, orde
     assert not resources.Resources(KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))).hopper_ordered_dq
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gqa_in_kernel_makes_the_grid_one_cta_per_kv_head(monkeypatch, grouped):
+    """resources.GQA_IN_KERNEL: each CTA walks all query heads of its kv head (args.dkdv_group) and writes the
+    summed dK/dV once; the binding takes dkdv_per_kv_head only then."""
+    monkeypatch.setattr(resources, "GQA_IN_KERNEL", grouped)
+    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    sources = codegen.render(RULES, config)
+    names = codegen.source_names(RULES, config)
+    backward, binding = sources[names["backward"]], sources[names["binding"]]
+    assert f"constexpr bool kGroupedHeads = {'true' if grouped else 'false'};" in backward
+    assert f"constexpr bool kGqaInKernel = {'true' if grouped else 'false'};" in binding
+    assert "args.heads_q / (kGroupedHeads ? args.dkdv_group : 1)" in backward  # the grid's heads
+    assert 'py::arg("dkdv_per_kv_head") = false' in binding and "args.dkdv_group = dkdv_per_kv_head" in binding
+
+
 def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():
     default = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
     assert kernels.default_backward(default) == default
@@ -189,3 +204,18 @@ def test_the_hopper_backward_spill_allowance_names_its_kernel():
     figures = {"spill_store_bytes": 52, "spill_load_bytes": 56}
     assert resources.excess_spill_bytes("_ZN4x6hopper18hopper_dkdv_kernelE", figures) == 0
     assert resources.excess_spill_bytes("_ZN4x6hopper18hopper_dkdv_kernelE", {"spill_store_bytes": 200}) == 200
+
+
+def test_grouped_dkdv_follows_the_module_flags():
+    from types import SimpleNamespace
+
+    from omnigen.kernels.launch import grouped_dkdv
+
+    plain = SimpleNamespace(GQA_IN_KERNEL=False, ORDERED_DQ=False)
+    grouped = SimpleNamespace(GQA_IN_KERNEL=True, ORDERED_DQ=False)
+    ordered = SimpleNamespace(GQA_IN_KERNEL=True, ORDERED_DQ=True)
+    assert not grouped_dkdv(plain, 8, 2, False) and not grouped_dkdv(grouped, 8, 8, False)
+    assert grouped_dkdv(grouped, 8, 2, False)
+    assert not grouped_dkdv(grouped, 8, 2, True)  # deterministic runs the sm80 backward: per-head partials
+    assert grouped_dkdv(ordered, 8, 2, True)
+    assert not grouped_dkdv(object(), 8, 2, False)  # a module built before the flag existed

@@ -52,19 +52,22 @@ SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(
 ORDERED = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2))
 
 
-def switched_on_variant(switch: str, config: KernelConfig) -> cache.Variant:
-    """An sm90 module with one of the Hopper backward's switches on (resources.SPLIT_COLUMNS: the d256 kernel;
-    resources.ORDERED_DQ: deterministic mode's ordered dQ), off until they have run on a GPU, so that CI compiles
-    them too. The rules get a name of their own (a module's name does not say which switches were on)."""
+def switched_on_variant(switches: tuple[str, ...], config: KernelConfig) -> cache.Variant:
+    """An sm90 module with Hopper backward switches on (resources.SPLIT_COLUMNS: the d256 kernel; ORDERED_DQ:
+    deterministic mode's ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel), off until they
+    have run on a GPU, so that CI compiles them too. The rules get a name of their own (a module's name does not
+    say which switches were on)."""
     from omnigen.kernels.sm90 import resources
 
-    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": f"buildtest_{switch.lower()}"})
-    saved = getattr(resources, switch)
-    setattr(resources, switch, True)
+    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": "buildtest_" + "_".join(s.lower() for s in switches)})
+    saved = {switch: getattr(resources, switch) for switch in switches}
+    for switch in switches:
+        setattr(resources, switch, True)
     try:
         return cache.variant(rules, config)
     finally:
-        setattr(resources, switch, saved)
+        for switch, value in saved.items():
+            setattr(resources, switch, value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +188,7 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    switched_on_variant("SPLIT_COLUMNS", SPLIT), switched_on_variant("ORDERED_DQ", ORDERED)]
+                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL"), ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -200,8 +203,8 @@ def built(tmp_path_factory):
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
     assert [r.built for r in results] == [True] * 5
-    # The sm90 forward's other scheduling, the split-columns (d256) Hopper backward and the ordered-dQ one:
-    # compiled, within the spill allowances.
+    # The sm90 forward's other scheduling, the split-columns (d256) Hopper backward and the one with ordered dQ
+    # and GQA groups in the kernel: compiled, within the spill allowances.
     for result in results[2:]:
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built

@@ -48,14 +48,17 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
                     lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor,
                     dk: torch.Tensor, dv: torch.Tensor, scale: float, deterministic: bool) -> None:
     """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed (unless deterministic on a module
-    without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or float32 per q head
-    [B, Hq, S, D] for GQA."""
+    without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or under GQA float32 per
+    q head [B, Hq, S, D] unless `grouped_dkdv(module, ...)` (then the element type [B, Hkv, S, D])."""
     B, Hq, S, _ = q.shape
     t = p.tables
-    ordered = {}
+    extra: dict[str, Any] = {}
     if deterministic and getattr(module, "ORDERED_DQ", False):  # the order of the dQ additions, per 64-row block
-        ordered = {"dq_rank": p.dq_ranks(),
-                   "dq_semaphore": torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)}
+        # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
+        ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
+        extra = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
+    if grouped_dkdv(module, Hq, k.shape[1], deterministic):
+        extra["dkdv_per_kv_head"] = True
     module.backward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
         delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
@@ -64,8 +67,15 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
         B, Hq, k.shape[1], S, scale,
         p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(), p.bwd_ptr.data_ptr(), p.bwd_q.data_ptr(),
         t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-        deterministic, _stream(), **{name: x.data_ptr() for name, x in ordered.items()},
+        deterministic, _stream(), **extra,
     )
+
+
+def grouped_dkdv(module: Any, heads_q: int, heads_kv: int, deterministic: bool) -> bool:
+    """Whether the module's backward sums each kv head's query heads' dK/dV itself (GQA_IN_KERNEL: its Hopper
+    kernel, which deterministic mode runs only with ORDERED_DQ), so dk/dv are the real [B, Hkv, S, D]."""
+    return (heads_q != heads_kv and getattr(module, "GQA_IN_KERNEL", False)
+            and (not deterministic or getattr(module, "ORDERED_DQ", False)))
 
 
 def forward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -91,13 +101,14 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
     launch_delta(module, out, d_out, delta)
     dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    if Hq == Hkv:
+    partials = Hq != Hkv and not grouped_dkdv(module, Hq, Hkv, deterministic)
+    if not partials:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     else:  # per q-head partial dK/dV, summed over each group of q heads below
         dk = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
         dv = torch.empty_like(dk)
     launch_backward(module, p, q, k, v, out, lse, d_out, delta, dq_accum, dk, dv, scale, deterministic)
-    if Hq != Hkv:
+    if partials:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(k.dtype)
         dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(v.dtype)
     return dq_accum.to(q.dtype), dk, dv

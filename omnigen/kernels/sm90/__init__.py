@@ -77,6 +77,7 @@ class Sm90Family(KernelFamily):
             "hopper_backward": not hopper_problems,
             "hopper_split_columns": r.hopper_split_columns,
             "ordered_dq": r.hopper_ordered_dq,
+            "grouped_heads": r.hopper_grouped_heads,
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": resources.HOPPER_STAGES,

@@ -41,6 +41,12 @@ SPLIT_COLUMNS = False
 # compiled, never run on a GPU: off (deterministic mode runs the carried sm80 backward) until
 # `pytest -m gpu tests/test_kernel_backward_gpu.py -k ordered` passes on an H100/H200.
 ORDERED_DQ = False
+# GQA on the Hopper backward (kGroupedHeads): a CTA walks every query head of its kv head and sums their dK and
+# dV in registers, written once in the element type, instead of fp32 partials per query head that the caller
+# sums (2 x 4 bytes x heads_q x S x D extra at peak: 1 GiB for 32 query heads of d128 at 32K tokens); K and V
+# are loaded once per group. Built and compiled, never run on a GPU: off until
+# `pytest -m gpu tests/test_kernel_backward_gpu.py -k grouped` passes on an H100/H200.
+GQA_IN_KERNEL = False
 HOPPER_STEP_ROWS = 64
 HOPPER_STAGES = 2
 HOPPER_PRODUCER_REGISTERS = 24
@@ -117,6 +123,11 @@ class Resources:
         """Whether deterministic mode runs the Hopper backward, its dQ additions ordered by kv-tile (not with split
         columns: their dQ goes by per-thread atomics, which no counter can order)."""
         return ORDERED_DQ and not self.hopper_split_columns and not self.hopper_backward_problems()
+
+    @property
+    def hopper_grouped_heads(self) -> bool:
+        """Whether the Hopper backward sums a GQA group's dK/dV in the kernel (GQA_IN_KERNEL)."""
+        return GQA_IN_KERNEL and not self.hopper_backward_problems()
 
     @property
     def hopper_shared_storage_bytes(self) -> int:

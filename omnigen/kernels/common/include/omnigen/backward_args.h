@@ -39,6 +39,9 @@ struct BackwardArgs {
   // one zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise.
   const int32_t* dq_rank;
   int32_t* dq_semaphore;
+  // Query heads whose dK/dV one CTA sums: 1 (dk/dv per query head, as above), or heads_q / heads_kv in modules
+  // with GQA_IN_KERNEL, when dk/dv are the real [batch, heads_kv, seq_len, head_dim] of the element type.
+  int dkdv_group;
 };
 
 // rowsum(dO * O) per query row, the Delta the backward reads.
