@@ -300,6 +300,7 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
         click.echo("")
         click.echo(f"{config.label}  ->  module {codegen.module_name(rules, config)}")
         click.echo(f"  sources:   {', '.join(names[role] for role in ('kernel', 'backward', 'binding', 'mask'))}")
+        click.echo(f"  backward:  {family_of(config).describe_backward(config)}")
         if toolchain is None:
             continue
         v = cache.variant(rules, config, toolchain)

@@ -76,6 +76,13 @@ class KernelFamily(ABC):
         """Spilled bytes of one kernel's ptxas figures beyond what the family tolerates (0: fine)."""
         return self.resources.excess_spill_bytes(kernel_name, figures)
 
+    def describe_backward(self, config: KernelConfig) -> str:
+        """One line for `omnigen inspect`: which kernels run this variant's backward, in both dQ modes."""
+        problems = self.backward_problems(config)
+        if problems:
+            return "none: " + "; ".join(problems)
+        return "dK/dV kernel with atomic dQ; deterministic: a dQ kernel per q-tile (no atomics)"
+
     def describe_resources(self, config: KernelConfig) -> str:
         """One line for `omnigen build`'s table: shared memory and threads of the variant's forward."""
         return f"{self.resources.Resources(config).shared_memory_bytes // 1024} KB smem, {config.threads} threads"

@@ -50,6 +50,27 @@ class Sm90Family(KernelFamily):
                                 kernel_family=SM80.name)
         return fallback if not (SM80.problems(fallback) or SM80.backward_problems(fallback)) else config
 
+    def describe_backward(self, config: KernelConfig) -> str:
+        r = resources.Resources(config)
+        if r.hopper_backward_problems():
+            why = "; ".join(r.hopper_backward_problems())
+            if not SM80.backward_problems(r.sm80_backward_config()):
+                return f"the carried sm80 backward ({why}): {SM80.describe_backward(r.sm80_backward_config())}"
+            other = self.default_backward(config)
+            if other != config:
+                return f"none in this module ({why}); an untuned kernel trains with {other.label}'s"
+            return f"none ({why})"
+        dq = "vector atomics" if r.hopper_split_columns else "TMA reduce-add"
+        shape = "64 keys, head dims split between the warpgroups" if r.hopper_split_columns else "128 keys"
+        gqa = "; GQA groups summed in the kernel" if r.hopper_grouped_heads else ""
+        if r.hopper_ordered_dq:
+            deterministic = "the same kernel, dQ added in kv-tile order"
+        elif SM80.backward_problems(r.sm80_backward_config()):
+            deterministic = "none (the carried sm80 backward has none for this variant)"
+        else:
+            deterministic = "the carried sm80 backward"
+        return f"Hopper dK/dV kernel ({shape}, dQ by {dq}{gqa}); deterministic: {deterministic}"
+
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
         hopper_problems = r.hopper_backward_problems()
