@@ -255,18 +255,30 @@ def test_sm90_deterministic_mode_runs_the_carried_sm80_backward(built_variants, 
 
 
 @contextlib.contextmanager
-def _split_columns():
-    saved, sm90_resources.SPLIT_COLUMNS = sm90_resources.SPLIT_COLUMNS, True
+def _switched(**switches: bool):
+    """The sm90 resources switches (SPLIT_COLUMNS, ORDERED_DQ, GQA_IN_KERNEL) set while rendering and building."""
+    saved = {switch: getattr(sm90_resources, switch) for switch in switches}
     try:
+        for switch, value in switches.items():
+            setattr(sm90_resources, switch, value)
         yield
     finally:
-        sm90_resources.SPLIT_COLUMNS = saved
+        for switch, value in saved.items():
+            setattr(sm90_resources, switch, value)
+
+
+def _renamed(rules: omnigen.Rules, suffix: str) -> omnigen.Rules:
+    """The rules under a name of their own: a module's name does not say which switches were on, and a process
+    loads one module per name."""
+    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{suffix}"})
+
+
+def _split_columns():
+    return _switched(SPLIT_COLUMNS=True)
 
 
 def _split_rules(rules: omnigen.Rules) -> omnigen.Rules:
-    """The rules under a name of their own: a module's name does not say whether SPLIT_COLUMNS was on, and a
-    process loads one module per name."""
-    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_split"})
+    return _renamed(rules, "split")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -309,17 +321,12 @@ def test_sm90_split_columns_speed_report():
 # these pass on a GPU; then deterministic mode runs the carried sm80 backward).
 
 
-@contextlib.contextmanager
 def _ordered_dq():
-    saved, sm90_resources.ORDERED_DQ = sm90_resources.ORDERED_DQ, True
-    try:
-        yield
-    finally:
-        sm90_resources.ORDERED_DQ = saved
+    return _switched(ORDERED_DQ=True)
 
 
 def _ordered_rules(rules: omnigen.Rules) -> omnigen.Rules:
-    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_ordered"})
+    return _renamed(rules, "ordered")
 
 
 def _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs):
@@ -385,21 +392,14 @@ def test_sm90_grouped_gqa_backward(case, head_dim, dtype, mode):
     if head_dim == 256 and mode == "ordered":
         pytest.skip("split columns have no ordered dQ")
     strided = name == "pad_docs_strided"
-    switches = {"GQA_IN_KERNEL": True, "ORDERED_DQ": mode == "ordered", "SPLIT_COLUMNS": head_dim == 256}
-    saved = {switch: getattr(sm90_resources, switch) for switch in switches}
-    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_grouped_{mode}"})
-    try:
-        for switch, value in switches.items():
-            setattr(sm90_resources, switch, value)
+    named = _renamed(rules, f"grouped_{mode}")
+    with _switched(GQA_IN_KERNEL=True, ORDERED_DQ=mode == "ordered", SPLIT_COLUMNS=head_dim == 256):
         module = _module(named, head_dim, dtype, family="sm90")
         assert module.GQA_IN_KERNEL and grouped_dkdv(module, Hq, Hkv, mode == "ordered")
         first = _check_case(named, layout_texts, Hq, Hkv, head_dim, dtype, strided=strided,
                             deterministic=mode == "ordered", name=name, family="sm90")
         if mode == "ordered":
             _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
-    finally:
-        for switch, value in saved.items():
-            setattr(sm90_resources, switch, value)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])

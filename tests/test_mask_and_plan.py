@@ -93,16 +93,20 @@ def test_batched_plan_is_each_layout_planned_alone(data, block_m, block_n):
     assert p.allowed_pairs == int(masks.sum())
 
 
+def _padded_batch(data, rule_set: omnigen.Rules, most: int) -> omnigen.LayoutBatch:
+    """1 to `most` random layouts of the rules, padded at the end to the longest."""
+    items = [data.draw(layouts(rule_set)) for _ in range(data.draw(st.integers(1, most)))]
+    S = max(item.seq_len for item in items)
+    return omnigen.Layout.batch([item.pad_end(S) for item in items])
+
+
 @settings(max_examples=150)
 @given(st.data(), block_sizes, block_sizes)
 def test_dq_ranks_count_the_lower_kv_tiles_of_each_q_tile(data, block_m, block_n):
     """Plan.dq_ranks (the order of deterministic mode's dQ additions on Hopper): for each backward-schedule entry
     (kv-tile j, q-tile i), the kv-tiles below j that q-tile i visits -- from the dense tile kinds."""
     rule_set = data.draw(rules())
-    items = [data.draw(layouts(rule_set)) for _ in range(data.draw(st.integers(1, 3)))]
-    S = max(item.seq_len for item in items)
-    batch = omnigen.Layout.batch([item.pad_end(S) for item in items])
-    p = omnigen.plan(rule_set, batch, block_m, block_n)
+    p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 3), block_m, block_n)
     visited = (p.kinds != EMPTY).int()  # [B, nq, nk]
     below = visited.cumsum(-1) - visited  # visited kv-tiles before each one, per q-tile row
     expected = []
@@ -122,10 +126,7 @@ def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_
     partial q-tiles); at each q-tile a CTA waits until the q-tile's counter equals its rank (Plan.dq_ranks),
     adds, and bumps the counter. Every CTA finishes, and each q-tile's additions come in kv-tile order."""
     rule_set = data.draw(rules())
-    items = [data.draw(layouts(rule_set)) for _ in range(data.draw(st.integers(1, 2)))]
-    S = max(item.seq_len for item in items)
-    batch = omnigen.Layout.batch([item.pad_end(S) for item in items])
-    p = omnigen.plan(rule_set, batch, block_m, block_n)
+    p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 2), block_m, block_n)
     ranks = p.dq_ranks().tolist()
     work, entry = [], 0  # per CTA in launch order (kv-tiles fastest): [(q-tile row, rank), ...]
     for b in range(p.batch_size):

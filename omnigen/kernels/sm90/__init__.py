@@ -75,16 +75,16 @@ class Sm90Family(KernelFamily):
         r = resources.Resources(config)
         hopper_problems = r.hopper_backward_problems()
         context = SM80.render_context(r.sm80_backward_config())  # the carried backward kernels' keys
-        if not hopper_problems and not context["mma_backward"]:
+        mma_problems = "; ".join(SM80.backward_problems(r.sm80_backward_config())).replace('"', "'")
+        if not hopper_problems and mma_problems:
             # The Hopper kernel is the module's backward; the carried sm80 one would serve deterministic mode.
             context["mma_backward_problem"] = (
-                f"deterministic=True runs the sm80 family's backward, which has none for {config.label}: "
-                + context["mma_backward_problem"].split(": ", 1)[-1]
-                + "; call with deterministic=False (the Hopper backward)")
-        elif hopper_problems and not context["mma_backward"]:
+                f"deterministic=True runs the sm80 family's backward, which has none for {config.label}: {mma_problems}"
+                "; call with deterministic=False (the Hopper backward)")
+        elif hopper_problems and mma_problems:
             context["backward_problem"] = (
-                f"this variant ({config.label}) has no backward kernel: " + "; ".join(hopper_problems) + "; and "
-                + context["mma_backward_problem"].split(": ", 1)[-1]).replace('"', "'")
+                f"this variant ({config.label}) has no backward kernel: " + "; ".join(hopper_problems).replace('"', "'")
+                + f"; and {mma_problems}")
         context.update({
             "warps": config.tile.warps,
             "stages": config.tile.stages,
