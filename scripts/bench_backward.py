@@ -39,9 +39,31 @@ def main() -> None:
     parser.add_argument("--rules", choices=("transfusion", "causal"), nargs="+", default=["transfusion", "causal"])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--heads-kv", type=int, default=None, help="kv heads (GQA; default: --heads)")
     parser.add_argument("--family", default=None, help="kernel family (default: the GPU arch's own), e.g. sm80")
+    parser.add_argument("--deterministic", action="store_true", help="time the backward's deterministic mode")
+    parser.add_argument("--build-only", action="store_true",
+                        help="build every (rules, dim, tile) module at once (threads; nvcc in parallel) and exit")
+    parser.add_argument("--switch", nargs="+", default=[], metavar="NAME",
+                        help="sm90 resources switches to turn on before building (e.g. ORDERED_DQ GQA_IN_KERNEL "
+                             "SPLIT_COLUMNS); one setting per process, since a process loads one module per name")
     args = parser.parse_args()
+    if args.switch:
+        from omnigen.kernels.sm90 import resources
 
+        for name in args.switch:
+            if not isinstance(getattr(resources, name, None), bool):
+                parser.error(f"--switch {name}: this tree's sm90 resources have no such switch")
+            setattr(resources, name, True)
+
+    if args.build_only:
+        from concurrent.futures import ThreadPoolExecutor
+
+        jobs = [(CAUSAL if r == "causal" else TRANSFUSION, d, t) for r in args.rules for d in args.dims for t in args.tiles]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            list(pool.map(lambda job: build(*job, args.family), jobs))
+        print(f"built {len(jobs)} modules")
+        return
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF':>7} {'bwd TF':>7} {'f+b TF':>7}")
     for rules_name in args.rules:
         rules = CAUSAL if rules_name == "causal" else TRANSFUSION
@@ -50,11 +72,12 @@ def main() -> None:
                 B, layout = standard_batch(rules, S, args.tokens, seed=0)
                 pairs = omnigen.plan(rules, layout, 128, 64).allowed_pairs
                 flops = 4.0 * dim * pairs * args.heads
-                q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0)
+                q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0, heads_kv=args.heads_kv)
                 for tile in args.tiles:
                     kernel = build(rules, dim, tile, args.family)
                     forward_ms = bench(lambda: kernel(q, k, v, layout))
-                    both_ms = bench(lambda: torch.autograd.grad(kernel(q, k, v, layout), (q, k, v), d_o))
+                    both_ms = bench(lambda: torch.autograd.grad(
+                        kernel(q, k, v, layout, deterministic=args.deterministic), (q, k, v), d_o))
                     backward_ms = both_ms - forward_ms
                     print(f"{rules_name:<12} {dim:>4} {S:>6} {tile.label:<14} {forward_ms:8.3f} {backward_ms:8.3f} "
                           f"{flops / forward_ms * 1e-9:7.1f} {2.5 * flops / backward_ms * 1e-9:7.1f} "

@@ -39,11 +39,11 @@ def standard_batch(rules: omnigen.Rules, S: int, tokens: int, seed: int) -> tupl
     return B, omnigen.Layout.batch([make(S, rng) for _ in range(B)])
 
 
-def random_inputs(B: int, heads: int, S: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """q, k, v (requiring grad) and dO, bf16 [B, heads, S, dim], never zeros."""
+def random_inputs(B: int, heads: int, S: int, dim: int, seed: int, heads_kv: int | None = None) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and dO, bf16 [B, heads, S, dim] (k and v: heads_kv heads under GQA), never zeros."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
+    q, k, v = (torch.randn(B, h, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (heads, heads_kv or heads, heads_kv or heads))
     return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
 
 
