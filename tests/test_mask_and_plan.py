@@ -121,20 +121,22 @@ def test_dq_ranks_count_the_lower_kv_tiles_of_each_q_tile(data, block_m, block_n
 @settings(max_examples=100)
 @given(st.data(), block_sizes, block_sizes, st.integers(1, 4))
 def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_n, resident):
-    """Deterministic mode's dQ protocol, simulated: CTAs (one per kv-tile and batch element, launched in grid
-    order, at most `resident` at a time) walk their backward schedules in the kernels' order (full, causal,
+    """Deterministic mode's dQ protocol, simulated: CTAs (one per kv-tile and batch element, launched in the
+    ordered kernel's grid order, kv-tiles slowest, at most `resident` at a time) walk their backward schedules in the kernels' order (full, causal,
     partial q-tiles); at each q-tile a CTA waits until the q-tile's counter equals its rank (Plan.dq_ranks),
     adds, and bumps the counter. Every CTA finishes, and each q-tile's additions come in kv-tile order."""
     rule_set = data.draw(rules())
     p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 2), block_m, block_n)
     ranks = p.dq_ranks().tolist()
-    work, entry = [], 0  # per CTA in launch order (kv-tiles fastest): [(q-tile row, rank), ...]
+    per_column, entry = {}, 0  # per (batch, kv-tile): [(q-tile row, rank), ...]; ranks in plan order
     for b in range(p.batch_size):
         for j in range(p.num_kv_tiles):
             column = p.backward_tiles(j, batch=b)
             q_tiles = column["full"] + column["causal"] + column["partial"]
-            work.append([(b * p.num_q_tiles + i, ranks[entry + n]) for n, i in enumerate(q_tiles)])
+            per_column[b, j] = [(b * p.num_q_tiles + i, ranks[entry + n]) for n, i in enumerate(q_tiles)]
             entry += len(q_tiles)
+    launch = [(b, j) for j in range(p.num_kv_tiles) for b in range(p.batch_size)]  # kv-tiles slowest
+    work = [per_column[cta] for cta in launch]
     counters, added = {}, {}
     waiting, running, progress = list(range(len(work))), [], [0] * len(work)
     while waiting or running:
@@ -149,7 +151,7 @@ def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_
             row, rank = work[cta][progress[cta]]
             if counters.get(row, 0) == rank:
                 counters[row] = rank + 1
-                added.setdefault(row, []).append(cta % p.num_kv_tiles)
+                added.setdefault(row, []).append(launch[cta][1])
                 progress[cta] += 1
                 moved = True
         assert moved, "the ordered dQ deadlocks"

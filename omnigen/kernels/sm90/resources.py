@@ -31,21 +31,21 @@ MAX_TILE_REGISTERS = 184
 # staging buffer beside K, V and two stages of Q and dO: 192 of 227 KB).
 HOPPER_BACKWARD_BLOCK_N = {64: 128, 128: 128, 256: 64}
 HOPPER_BACKWARD_HEAD_DIMS = tuple(HOPPER_BACKWARD_BLOCK_N)
-# The split-columns kernel (d256) is built and compiled (CI, sm_90a) but has not yet run on a GPU: it stays
-# off, so that d256 keeps refusing the backward with a clear message rather than risk wrong gradients, until
-# `pytest -m gpu tests/test_kernel_backward_gpu.py -k split` passes on an H100/H200 (RESULTS.md).
-SPLIT_COLUMNS = False
+# Switches for Hopper backward paths, each one tested with the switch on by the GPU tests (`-k split`,
+# `-k ordered`, `-k grouped`), on an H200 first on 2026-11-23 (RESULTS.md, "First GPU run of the switched
+# kernels"). The split-columns kernel (d256): on; until then d256 had no backward in either family.
+SPLIT_COLUMNS = True
 # Deterministic mode on the Hopper backward (kOrderedDq): dQ still leaves each CTA by TMA reduce-add, but one
 # thread adds the whole step's rows once the (batch, head, 64 rows) counter says every lower kv-tile visiting
-# them has added its own (ranks from Plan.dq_ranks), so the sums come in the same order on every run. Built and
-# compiled, never run on a GPU: off (deterministic mode runs the carried sm80 backward) until
-# `pytest -m gpu tests/test_kernel_backward_gpu.py -k ordered` passes on an H100/H200.
+# them has added its own (ranks from Plan.dq_ranks), so the sums come in the same order on every run. The
+# ordered grid runs kv-tiles slowest so that lower kv-tiles are ahead. Off: deterministic mode runs the
+# carried sm80 backward (a dQ kernel per q-tile, no atomics).
 ORDERED_DQ = False
 # GQA on the Hopper backward (kGroupedHeads): a CTA walks every query head of its kv head and sums their dK and
 # dV in registers, written once in the element type, instead of fp32 partials per query head that the caller
 # sums (2 x 4 bytes x heads_q x S x D extra at peak: 1 GiB for 32 query heads of d128 at 32K tokens); K and V
-# are loaded once per group. Built and compiled, never run on a GPU: off until
-# `pytest -m gpu tests/test_kernel_backward_gpu.py -k grouped` passes on an H100/H200.
+# are loaded once per group. Correct on the GPU, but 4-7% slower than partials at 16/4 heads (the head loop
+# moves the step's address math off the uniform datapath): off until that is won back.
 GQA_IN_KERNEL = False
 HOPPER_STEP_ROWS = 64
 HOPPER_STAGES = 2
