@@ -914,7 +914,7 @@ constexpr int kDsBarrier = 1;  // named barrier: both consumer warpgroups have w
 // Deterministic mode: the kernel's kOrdered instance, dQ added in kv-tile order by a writer warp (warp 1 of
 // the producer warpgroup); else the carried sm80 backward. (An instance of its own, so that the atomic-order
 // kernel keeps its registers.)
-constexpr bool kOrderedDq = false;
+constexpr bool kOrderedDq = true;
 constexpr int kDqFullBarrier = 2;   // named barriers of the ordered dQ (8 consumer warps and the writer warp):
 constexpr int kDqEmptyBarrier = 3;  // the step's dQ boxes are written; the writer has added them
 constexpr int kDqBarrierThreads = 9 * 32;
@@ -1079,6 +1079,37 @@ __device__ __forceinline__ void reduce_warp_boxes(const TensorMaps& maps, uint8_
 #pragma unroll
   for (int box = 0; box < kDqBoxes; ++box) {
     sm90::reduce_add_box(&maps.dq, boxes[box], warpgroup * kDqColumns + box * kDqBoxColumns, row_start + 16 * warp, head, batch);
+  }
+}
+// Deterministic mode's dQ writer (warp 1 of the producer warpgroup): per step, once the consumers have staged
+// the step's dQ rows, lane 0 waits until the rows' counter (batch, head, 64-row block) reaches this kv-tile's
+// rank among the q-tile's kv-tiles (Plan.dq_ranks: lower kv-tiles, earlier CTAs, come first), adds every
+// consumer warp's boxes by TMA, waits until they are written and counts itself in. The same sums in the same
+// order on every run; the consumers go on with the next step's products meanwhile.
+__device__ void write_query_gradient_in_order(SharedStorage& shared, const TensorMaps& maps, const BackwardArgs& args,
+                                              const Schedule& schedule, int first_head, int heads, int batch) {
+  const int lane = threadIdx.x % 32;
+  const int blocks = (args.seq_len + kStepRows - 1) / kStepRows;
+  sm90::named_arrive(kDqEmptyBarrier, kDqBarrierThreads);  // the boxes start free
+  for (int head = first_head; head < first_head + heads; ++head) {
+    int32_t* counters = args.dq_semaphore + (int64_t(batch) * args.heads_q + head) * blocks;
+    for (int step = 0; step < schedule.steps(); ++step) {
+      const int row_start = schedule.row_start(args, step);
+      if (row_start >= args.seq_len) continue;
+      sm90::named_sync(kDqFullBarrier, kDqBarrierThreads);
+      if (lane == 0) {
+        int32_t* counter = counters + row_start / kStepRows;
+        sm90::counter_wait(counter, args.dq_rank[schedule.entry(step)]);
+        for (int consumer_warp = 0; consumer_warp < kConsumerWarps; ++consumer_warp) {
+          reduce_warp_boxes(maps, shared.dq[consumer_warp], consumer_warp / 4, consumer_warp % 4, row_start, head, batch);
+        }
+        sm90::bulk_commit();
+        sm90::bulk_wait<0>();  // written, not just read: the next kv-tile's additions must come after these
+        sm90::counter_release_add(counter);
+      }
+      __syncwarp();
+      sm90::named_arrive(kDqEmptyBarrier, kDqBarrierThreads);
+    }
   }
 }
 
@@ -1433,6 +1464,8 @@ __device__ void consume(SharedStorage& shared, const TensorMaps& maps, const Bac
   }
   c.store();
   if (lane == 0) sm90::bulk_wait<0>();  // the warp's last dQ reduction has read its boxes before the CTA exits
+  // Deterministic mode: the writer's last arrival (its additions done), so that no barrier is left half-way.
+  if constexpr (kOrdered) sm90::named_sync(kDqEmptyBarrier, kDqBarrierThreads);
 }
 
 template <bool kOrdered>
@@ -1468,6 +1501,9 @@ __global__ void __launch_bounds__(kThreads, 1) hopper_dkdv_kernel(const __grid_c
   if (threadIdx.x < 128) {
     sm90::shrink_registers<kProducerRegisters>();
     if (threadIdx.x == 0) produce(shared, maps, args, Schedule(column), first_head, heads, batch, kv_start);
+    if (kOrdered && threadIdx.x / 32 == 1) {
+      write_query_gradient_in_order(shared, maps, args, Schedule(column), first_head, heads, batch);
+    }
   } else {
     sm90::grow_registers<kConsumerRegisters>();
     consume<kOrdered>(shared, maps, args, Schedule(column), first_head, heads, batch, kv_start);
@@ -1503,6 +1539,8 @@ int launch(const BackwardArgs& args, cudaStream_t stream, char* message, int mes
   if (device >= omnigen::kMaxDevices || !hopper_ready[device]) {
     status = cudaFuncSetAttribute(hopper_dkdv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
     if (status != cudaSuccess) return fail(status, message, message_size, "cudaFuncSetAttribute (Hopper dK/dV kernel)");
+    status = cudaFuncSetAttribute(hopper_dkdv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+    if (status != cudaSuccess) return fail(status, message, message_size, "cudaFuncSetAttribute (ordered Hopper dK/dV kernel)");
     if (device < omnigen::kMaxDevices) hopper_ready[device] = 1;
   }
   TensorMaps maps;
@@ -1518,7 +1556,16 @@ int launch(const BackwardArgs& args, cudaStream_t stream, char* message, int mes
   const int kv_tiles = (args.seq_len + kBlockN - 1) / kBlockN;
   const int head_blocks = args.heads_q / (kGroupedHeads ? args.dkdv_group : 1);
   const dim3 grid(kv_tiles, head_blocks, args.batch);
-  hopper_dkdv_kernel<false><<<grid, kThreads, kSharedBytes, stream>>>(maps, args);
+  if (args.deterministic) {
+    if (kv_tiles > 65535) {
+      return fail(cudaErrorInvalidValue, message, message_size,
+                  "deterministic mode's Hopper backward takes at most 65535 kv-tiles (gridDim.z)");
+    }
+    const dim3 kv_tiles_slowest(head_blocks, args.batch, kv_tiles);
+    hopper_dkdv_kernel<true><<<kv_tiles_slowest, kThreads, kSharedBytes, stream>>>(maps, args);
+  } else {
+    hopper_dkdv_kernel<false><<<grid, kThreads, kSharedBytes, stream>>>(maps, args);
+  }
   status = cudaGetLastError();
   if (status != cudaSuccess) return fail(status, message, message_size, "launching the Hopper dK/dV kernel");
   return 0;
@@ -1528,7 +1575,7 @@ int launch(const BackwardArgs& args, cudaStream_t stream, char* message, int mes
 }  // namespace omnigen_rules_prefix_lm
 
 namespace omnigen {
-// Deterministic mode runs the sm80 backward (a dQ kernel per q-tile, no atomics).
+// Deterministic mode runs the Hopper backward too, its dQ additions in kv-tile order.
 int backward_launch(const BackwardArgs& args, uintptr_t stream, char* message, int message_size) {
   if (!args.deterministic || omnigen_rules_prefix_lm::hopper::kOrderedDq) {
     const int ready = omnigen_rules_prefix_lm::prepare_device(message, message_size);

@@ -66,7 +66,7 @@ constexpr int kMaxGridDim = 65535;  // a grid's y and z: heads, batch, the forwa
 constexpr bool kHasBackward = true;
 constexpr const char* kBackwardProblem = "";
 // Deterministic mode adds dQ in kv-tile order from the Hopper kernel (else: the sm80 dQ kernel overwrites it).
-constexpr bool kOrderedDq = false;
+constexpr bool kOrderedDq = true;
 // GQA: the Hopper kernel can sum a kv head's query heads' dK/dV itself (dkdv_per_kv_head).
 constexpr bool kGqaInKernel = false;
 
