@@ -44,8 +44,9 @@ ORDERED_DQ = True
 # GQA on the Hopper backward (kGroupedHeads): a CTA walks every query head of its kv head and sums their dK and
 # dV in registers, written once in the element type, instead of fp32 partials per query head that the caller
 # sums (2 x 4 bytes x heads_q x S x D extra at peak: 1 GiB for 32 query heads of d128 at 32K tokens); K and V
-# are loaded once per group. Correct on the GPU, but 4-7% slower than partials at 16/4 heads (the head loop
-# moves the step's address math off the uniform datapath): off until that is won back.
+# are loaded once per group; the group is walked kind by kind (for_group_steps). Correct on the GPU, but at 16/4
+# heads 6-9% slower than partials at d64 and 0-3% at d128 (the group walk itself costs that: an MHA call through
+# it is 5% slower at d64): off, a memory saving not yet free of time.
 GQA_IN_KERNEL = False
 HOPPER_STEP_ROWS = 64
 HOPPER_STAGES = 2
