@@ -72,9 +72,11 @@ def default_tile(head_dim: int) -> TileConfig:
 FORWARD_SPILL_ALLOWANCE = 16
 
 
-# The Hopper backward at d128 parks a few step-invariant values of its causal and partial paths on the stack
-# (SASS: one LDL per causal step, about eight per partial step; none on the full path, which most steps take).
-HOPPER_BACKWARD_SPILL_ALLOWANCE = 96
+# The Hopper backward's atomic-order kernel spills nothing (d64-d256). The ordered instance (deterministic mode)
+# spills in its producer warpgroup, which runs on 24 registers: the producer thread's table copies (odd lengths,
+# last steps) and the dQ writer's loop, 24/44 B at d128, 82/124 B with GQA groups in the kernel (off); none of it
+# on the consumers' path.
+HOPPER_BACKWARD_SPILL_ALLOWANCE = 128
 
 
 def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
