@@ -121,7 +121,12 @@ def test_forward_matches_reference(case, head_dim, dtype, family):
     name, rules, layout_texts, Hq, Hkv = case
     if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
         pytest.skip("the mixed rules are built for one variant only")
-    module = _module(rules, head_dim, dtype, family)
+    _check_forward(_module(rules, head_dim, dtype, family), rules, case, head_dim, dtype, family)
+
+
+def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str, label: str) -> None:
+    """The module's forward on the case against float64: out within 2x SDPA's error, lse, empty rows."""
+    name, _, layout_texts, Hq, Hkv = case
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
     layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
     B, S = len(layouts), layouts[0].seq_len
@@ -141,12 +146,37 @@ def test_forward_matches_reference(case, head_dim, dtype, family):
     error = float((out.double() - ref_out).abs().max())
     sdpa = _sdpa_error(q, k, v, mask3, ref_out)
     floor = 2e-3 if dtype == "bf16" else 5e-4
-    print(f"{family} {name} d{head_dim} {dtype}: max |out - ref| = {error:.2e}, SDPA dense-mask = {sdpa:.2e}")
+    print(f"{label} {name} d{head_dim} {dtype}: max |out - ref| = {error:.2e}, SDPA dense-mask = {sdpa:.2e}")
     assert error <= 2 * sdpa + floor, f"out error {error:.3e} > 2 x SDPA's {sdpa:.3e} + {floor}"
 
     finite = ~empty_rows
     lse_error = float((lse.double() - ref_lse)[finite].abs().max()) if finite.any() else 0.0
     assert lse_error <= 1e-3, f"lse error {lse_error:.3e}"
+
+
+# ---- the sm90 forward's partial tiles reading their key tables from shared memory always
+# (omnigen.kernels.sm90.resources.TABLES_ALWAYS_SHARED, off until these pass on a GPU): the cases' odd lengths,
+# unaligned batch offsets and last kv-tiles are the ones the producer copies by hand.
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sm90_forward_shared_tables(case, head_dim, dtype):
+    from omnigen.kernels.sm90 import resources
+
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    name, rules, _, _, _ = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules on one variant only")
+    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_shared_tables"})
+    saved = resources.TABLES_ALWAYS_SHARED
+    resources.TABLES_ALWAYS_SHARED = True
+    try:
+        module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
+    finally:
+        resources.TABLES_ALWAYS_SHARED = saved
+    _check_forward(module, named, case, head_dim, dtype, "sm90 shared tables")
 
 
 def test_forward_rejects_bad_arguments():

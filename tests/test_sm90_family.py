@@ -220,3 +220,14 @@ def test_grouped_dkdv_follows_the_module_flags():
     assert not grouped_dkdv(grouped, 8, 2, True)  # deterministic runs the sm80 backward: per-head partials
     assert grouped_dkdv(ordered, 8, 2, True)
     assert not grouped_dkdv(object(), 8, 2, False)  # a module built before the flag existed
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_forward_tables_always_shared_switch(monkeypatch, on):
+    """resources.TABLES_ALWAYS_SHARED: the producer copies the key tables TMA cannot bring into the K slot, and the
+    mask reads shared memory only (no pointer picked between shared and global: those reads were generic loads)."""
+    monkeypatch.setattr(resources, "TABLES_ALWAYS_SHARED", on)
+    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    forward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+    assert f"constexpr bool kTablesAlwaysShared = {'true' if on else 'false'};" in forward
+    assert "sm90::copy_rows(shared.key_tables[stage][0]" in forward  # in the source either way; dropped when off

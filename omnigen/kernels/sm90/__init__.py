@@ -106,6 +106,7 @@ class Sm90Family(KernelFamily):
             "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,
             "persistent": resources.PERSISTENT,
+            "tables_always_shared": resources.TABLES_ALWAYS_SHARED,
         })
         return context
 

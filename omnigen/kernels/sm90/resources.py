@@ -59,6 +59,12 @@ PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPing
 # field for it, so the tuner does not search it: a module-level switch like PINGPONG. Sources differ, so
 # the cache keys differ, but module names do not: flip it per process, not within one.
 PERSISTENT = False
+# The forward's partial kv-tiles read their key tables from shared memory always (kTablesAlwaysShared): the
+# producer copies the rows TMA cannot bring (unaligned, past the end). Until then the mask read a pointer picked
+# between shared and global memory, so every read was a generic load; the same change in the backward took 8-16%
+# off its time on the H200. Built and compiled, not yet run on a GPU: off until
+# `pytest -m gpu tests/test_kernel_forward_gpu.py -k shared_tables` passes and an A/B says it is faster.
+TABLES_ALWAYS_SHARED = False
 
 
 def default_tile(head_dim: int) -> TileConfig:

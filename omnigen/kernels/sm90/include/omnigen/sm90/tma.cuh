@@ -41,6 +41,14 @@ __device__ __forceinline__ void load_bytes(void* destination, const void* source
                : "memory");
 }
 
+// The rows a bulk copy cannot take (unaligned, or running past the end of the sequence) copied by the calling
+// thread with plain loads and stores; the caller's later mbarrier arrival releases them to the waiting threads.
+template <typename T>
+__device__ __forceinline__ void copy_rows(T* destination, const T* source, int rows) {
+#pragma unroll 1
+  for (int i = 0; i < rows; ++i) destination[i] = source[i];
+}
+
 // `source` (one box as `map` describes it, in shared memory) added element-wise into global memory at
 // (column, row, head, batch) by the TMA unit; rows past the end of the tensor are dropped. The operation
 // joins this thread's bulk async-group (bulk_commit, then bulk_wait_read before `source` is written again).
