@@ -122,9 +122,10 @@ def test_dq_ranks_count_the_lower_kv_tiles_of_each_q_tile(data, block_m, block_n
 @given(st.data(), block_sizes, block_sizes, st.integers(1, 4))
 def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_n, resident):
     """Deterministic mode's dQ protocol, simulated: CTAs (one per kv-tile and batch element, launched in the
-    ordered kernel's grid order, kv-tiles slowest, at most `resident` at a time) walk their backward schedules in the kernels' order (full, causal,
-    partial q-tiles); at each q-tile a CTA waits until the q-tile's counter equals its rank (Plan.dq_ranks),
-    adds, and bumps the counter. Every CTA finishes, and each q-tile's additions come in kv-tile order."""
+    ordered kernel's grid order, kv-tiles slowest, at most `resident` at a time) walk their backward schedules
+    in the kernels' order (full, causal, partial q-tiles); at each q-tile a CTA waits until the q-tile's counter
+    equals its rank (Plan.dq_ranks), adds, and bumps the counter. Every CTA finishes, and each q-tile's
+    additions come in kv-tile order."""
     rule_set = data.draw(rules())
     p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 2), block_m, block_n)
     ranks = p.dq_ranks().tolist()

@@ -104,8 +104,9 @@ def test_persistent_scheduling_is_a_render_switch(monkeypatch, persistent):
         assert text in forward, text
 
 
-@pytest.mark.parametrize("head_dim,block_n,hopper", [(128, 128, True), (64, 128, True), (128, 96, False), (256, 64, True)])
-def test_the_hopper_backward_takes_128_keys_at_d64_and_d128_64_at_d256_and_says_why_not_elsewhere(head_dim, block_n, hopper):
+@pytest.mark.parametrize("head_dim,block_n,hopper",
+                         [(128, 128, True), (64, 128, True), (128, 96, False), (256, 64, True)])
+def test_the_hopper_backward_takes_128_keys_at_d64_d128_and_64_at_d256(head_dim, block_n, hopper):
     config = KernelConfig(head_dim, "bf16", "sm_90a", TileConfig(128, block_n, 12, 2))
     problems = resources.Resources(config).hopper_backward_problems()
     assert (not problems) == hopper

@@ -38,8 +38,9 @@ SPLIT_COLUMNS = True
 # Deterministic mode on the Hopper backward (kOrderedDq): dQ still leaves each CTA by TMA reduce-add, but one
 # thread adds the whole step's rows once the (batch, head, 64 rows) counter says every lower kv-tile visiting
 # them has added its own (ranks from Plan.dq_ranks), so the sums come in the same order on every run. The
-# ordered grid runs kv-tiles slowest so that lower kv-tiles are ahead. On: 5-11% over atomic order at S = 32K, 33-38% at
-# S = 8K, 1.5-1.9x faster than the carried sm80 backward that deterministic mode runs with it off (RESULTS.md).
+# ordered grid runs kv-tiles slowest so that lower kv-tiles are ahead. On: 5-11% over atomic order at S = 32K,
+# 33-38% at S = 8K, 1.5-1.9x faster than the carried sm80 backward that deterministic mode runs with it off
+# (RESULTS.md).
 ORDERED_DQ = True
 # GQA on the Hopper backward (kGroupedHeads): a CTA walks every query head of its kv head and sums their dK and
 # dV in registers, written once in the element type, instead of fp32 partials per query head that the caller
