@@ -31,6 +31,18 @@ def parse_tile(text: str) -> omnigen.TileConfig:
     return omnigen.TileConfig(block_m=int(m), block_n=int(n), warps=int(w), stages=int(s or 2))
 
 
+def turn_on_switches(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """--switch: set these sm90 resources switches (module-level booleans read when sources are rendered)."""
+    if not names:
+        return
+    from omnigen.kernels.sm90 import resources
+
+    for name in names:
+        if not isinstance(getattr(resources, name, None), bool):
+            parser.error(f"--switch {name}: this tree's sm90 resources have no such switch")
+        setattr(resources, name, True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[parse_tile("128x64w4")])
@@ -48,13 +60,7 @@ def main() -> None:
                         help="sm90 resources switches to turn on before building (e.g. ORDERED_DQ GQA_IN_KERNEL "
                              "SPLIT_COLUMNS); one setting per process, since a process loads one module per name")
     args = parser.parse_args()
-    if args.switch:
-        from omnigen.kernels.sm90 import resources
-
-        for name in args.switch:
-            if not isinstance(getattr(resources, name, None), bool):
-                parser.error(f"--switch {name}: this tree's sm90 resources have no such switch")
-            setattr(resources, name, True)
+    turn_on_switches(parser, args.switch)
 
     if args.build_only:
         from concurrent.futures import ThreadPoolExecutor
