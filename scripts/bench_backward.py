@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
-from kernel_workload import CAUSAL, TRANSFUSION, bench, build, random_inputs, standard_batch  # noqa: E402
+from kernel_workload import RULES, bench, build, random_inputs, standard_batch  # noqa: E402
 
 
 def parse_tile(text: str) -> omnigen.TileConfig:
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[parse_tile("128x64w4")])
     parser.add_argument("--dims", nargs="+", type=int, default=[128])
     parser.add_argument("--sizes", nargs="+", type=int, default=[8192, 32768])
-    parser.add_argument("--rules", choices=("transfusion", "causal"), nargs="+", default=["transfusion", "causal"])
+    parser.add_argument("--rules", choices=tuple(RULES), nargs="+", default=list(RULES))
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--heads-kv", type=int, default=None, help="kv heads (GQA; default: --heads)")
@@ -65,14 +65,14 @@ def main() -> None:
     if args.build_only:
         from concurrent.futures import ThreadPoolExecutor
 
-        jobs = [(CAUSAL if r == "causal" else TRANSFUSION, d, t) for r in args.rules for d in args.dims for t in args.tiles]
+        jobs = [(RULES[r], d, t) for r in args.rules for d in args.dims for t in args.tiles]
         with ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(lambda job: build(*job, args.family), jobs))
         print(f"built {len(jobs)} modules")
         return
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF':>7} {'bwd TF':>7} {'f+b TF':>7}")
     for rules_name in args.rules:
-        rules = CAUSAL if rules_name == "causal" else TRANSFUSION
+        rules = RULES[rules_name]
         for dim in args.dims:
             for S in args.sizes:
                 B, layout = standard_batch(rules, S, args.tokens, seed=0)

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
-from kernel_workload import CAUSAL, TRANSFUSION, bench, build, random_inputs, standard_batch  # noqa: E402
+from kernel_workload import RULES, bench, build, random_inputs, standard_batch  # noqa: E402
 from bench_backward import parse_tile, turn_on_switches  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", type=parse_variant, default=[parse_variant("sm80:128x64w4")])
     parser.add_argument("--dims", nargs="+", type=int, default=[128])
     parser.add_argument("--sizes", nargs="+", type=int, default=[8192, 32768])
-    parser.add_argument("--rules", choices=("transfusion", "causal"), nargs="+", default=["transfusion", "causal"])
+    parser.add_argument("--rules", choices=tuple(RULES), nargs="+", default=list(RULES))
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--persistent", choices=("default", "on", "off", "both"), default="default",
@@ -93,7 +93,7 @@ def main() -> None:
                 shown = f"{ms:8.3f} {causal_flops / ms * 1e-9:8.1f}" if ms else "     n/a"
                 print(f"{'causal':<12} {dim:>4} {S:>6} {name:<22} {shown}", flush=True)
             for rules_name in args.rules:
-                rules = CAUSAL if rules_name == "causal" else TRANSFUSION
+                rules = RULES[rules_name]
                 _, layout = standard_batch(rules, S, args.tokens, seed=0)
                 pairs = omnigen.plan(rules, layout, 128, 64).allowed_pairs
                 flops = 4.0 * dim * pairs * args.heads

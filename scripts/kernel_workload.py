@@ -16,6 +16,7 @@ import omnigen
 
 TRANSFUSION = omnigen.Rules(name="transfusion", modalities={"text": "causal", "image": "full"})
 CAUSAL = omnigen.Rules(name="causal", modalities={"text": "causal"})
+RULES = {"transfusion": TRANSFUSION, "causal": CAUSAL}  # by the scripts' --rules names
 
 
 def transfusion_layout(seq_len: int, rng: random.Random) -> omnigen.Layout:

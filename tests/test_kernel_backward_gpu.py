@@ -1,6 +1,6 @@
 """The generated backward kernels against float64 gradients, on a GPU (skipped without one). The sm90 d256
-backward (split columns), the Hopper deterministic mode (ordered dQ) and GQA groups summed in the kernel, all
-off by default until they have run on a GPU, are tested with their switches on (`-k split`, `-k ordered`,
+backward (split columns), the Hopper deterministic mode (ordered dQ) and GQA groups summed in the kernel (off by
+default: slower than fp32 partials) are also tested with their switches set explicitly (`-k split`, `-k ordered`,
 `-k grouped`).
 
 Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
@@ -18,7 +18,6 @@ build with no spills and no stack in any kernel (the forward's, the two backward
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
@@ -42,7 +41,7 @@ from omnigen.jit.toolchain import kernel_log, visible_gpu_arch
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION  # shared with the other kernel test file
+from kernel_cases import DTYPES, MIXED, TRANSFUSION, renamed, switched  # shared with the other kernel test file
 ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 # (name, rules, layouts as strings, heads_q, heads_kv)
@@ -242,43 +241,25 @@ def test_backward_matches_reference(built_variants, case, head_dim, dtype, famil
                          ids=lambda c: c[0])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_deterministic_mode_runs_the_carried_sm80_backward(built_variants, case):
-    """Deterministic mode of an sm90 module: the sm80 backward it carries (a dQ kernel per q-tile, no atomics)."""
+def test_sm90_deterministic_mode_with_the_default_switches(built_variants, case):
+    """Deterministic mode of an sm90 module as built by default: the Hopper kernel adding dQ in kv-tile order
+    (resources.ORDERED_DQ), or with that off the sm80 backward it carries (a dQ kernel per q-tile)."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
     _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=True,
                 name=name, family="sm90")
 
 
-# ---- d256 on the Hopper backward: split columns (resources.SPLIT_COLUMNS, off until these pass on a GPU).
+# ---- d256 on the Hopper backward: split columns (resources.SPLIT_COLUMNS).
 # Both consumer warpgroups take the CTA's 64 keys and half the head dims of dK and dV each; dQ by atomics.
 
 
-@contextlib.contextmanager
-def _switched(**switches: bool):
-    """The sm90 resources switches (SPLIT_COLUMNS, ORDERED_DQ, GQA_IN_KERNEL) set while rendering and building."""
-    saved = {switch: getattr(sm90_resources, switch) for switch in switches}
-    try:
-        for switch, value in switches.items():
-            setattr(sm90_resources, switch, value)
-        yield
-    finally:
-        for switch, value in saved.items():
-            setattr(sm90_resources, switch, value)
-
-
-def _renamed(rules: omnigen.Rules, suffix: str) -> omnigen.Rules:
-    """The rules under a name of their own: a module's name does not say which switches were on, and a process
-    loads one module per name."""
-    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{suffix}"})
-
-
 def _split_columns():
-    return _switched(SPLIT_COLUMNS=True)
+    return switched(SPLIT_COLUMNS=True)
 
 
 def _split_rules(rules: omnigen.Rules) -> omnigen.Rules:
-    return _renamed(rules, "split")
+    return renamed(rules, "split")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -317,16 +298,16 @@ def test_sm90_split_columns_speed_report():
                       deterministic_too=False)
 
 
-# ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (resources.ORDERED_DQ, off until
-# these pass on a GPU; then deterministic mode runs the carried sm80 backward).
+# ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (resources.ORDERED_DQ; with it off,
+# deterministic mode runs the carried sm80 backward).
 
 
 def _ordered_dq():
-    return _switched(ORDERED_DQ=True)
+    return switched(ORDERED_DQ=True)
 
 
 def _ordered_rules(rules: omnigen.Rules) -> omnigen.Rules:
-    return _renamed(rules, "ordered")
+    return renamed(rules, "ordered")
 
 
 def _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs):
@@ -373,8 +354,8 @@ def test_sm90_ordered_dq_speed_report():
         _speed_report(_module(_ordered_rules(TRANSFUSION), 128, "bf16", family="sm90"), 128, "sm90 ordered")
 
 
-# ---- GQA on the Hopper backward: each kv head's query heads summed in the kernel (resources.GQA_IN_KERNEL, off
-# until these pass on a GPU; then dK/dV come as fp32 partials per query head that the caller sums).
+# ---- GQA on the Hopper backward: each kv head's query heads summed in the kernel (resources.GQA_IN_KERNEL, off:
+# dK/dV come as fp32 partials per query head that the caller sums).
 
 GQA_CASES = [c for c in CASES if c[3] != c[4]]
 
@@ -392,8 +373,8 @@ def test_sm90_grouped_gqa_backward(case, head_dim, dtype, mode):
     if head_dim == 256 and mode == "ordered":
         pytest.skip("split columns have no ordered dQ")
     strided = name == "pad_docs_strided"
-    named = _renamed(rules, f"grouped_{mode}")
-    with _switched(GQA_IN_KERNEL=True, ORDERED_DQ=mode == "ordered", SPLIT_COLUMNS=head_dim == 256):
+    named = renamed(rules, f"grouped_{mode}")
+    with switched(GQA_IN_KERNEL=True, ORDERED_DQ=mode == "ordered", SPLIT_COLUMNS=head_dim == 256):
         module = _module(named, head_dim, dtype, family="sm90")
         assert module.GQA_IN_KERNEL and grouped_dkdv(module, Hq, Hkv, mode == "ordered")
         first = _check_case(named, layout_texts, Hq, Hkv, head_dim, dtype, strided=strided,

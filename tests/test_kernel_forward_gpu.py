@@ -15,7 +15,6 @@ The sm90 forward's persistent scheduling (resources.PERSISTENT) has its own test
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -35,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION  # shared with the other kernel test file
+from kernel_cases import DTYPES, MIXED, TRANSFUSION, renamed, switched  # shared with the other kernel test file
 
 # (name, rules, layouts as strings, heads_q, heads_kv)
 CASES = [
@@ -162,20 +161,14 @@ def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_forward_shared_tables(case, head_dim, dtype):
-    from omnigen.kernels.sm90 import resources
-
     if "sm90" not in FAMILY_NAMES:
         pytest.skip("the sm90 family runs on Hopper only")
     name, rules, _, _, _ = case
     if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
         pytest.skip("the mixed rules on one variant only")
-    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_shared_tables"})
-    saved = resources.TABLES_ALWAYS_SHARED
-    resources.TABLES_ALWAYS_SHARED = True
-    try:
+    named = renamed(rules, "shared_tables")
+    with switched(TABLES_ALWAYS_SHARED=True):
         module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
-    finally:
-        resources.TABLES_ALWAYS_SHARED = saved
     _check_forward(module, named, case, head_dim, dtype, "sm90 shared tables")
 
 
@@ -234,24 +227,11 @@ PERSISTENT_LAYOUTS = [
 ]
 
 
-@contextlib.contextmanager
-def _scheduling(persistent: bool):
-    """The sm90 forward rendered persistent or not (a module-level switch, read when sources are rendered)."""
-    from omnigen.kernels.sm90 import resources
-
-    saved = resources.PERSISTENT
-    resources.PERSISTENT = persistent
-    try:
-        yield
-    finally:
-        resources.PERSISTENT = saved
-
-
 def _sm90_variant(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int | None, persistent: bool):
     """(rules, config) of an sm90 variant with the scheduling pinned. A module's name does not say whether it
     is persistent, and a process loads one module per name: each scheduling gets the rules under a name of
     its own (same mask)."""
-    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{'persistent' if persistent else 'grid'}"})
+    named = renamed(rules, "persistent" if persistent else "grid")
     config = _config(head_dim, dtype, "sm90")
     if block_n is not None:
         config = KernelConfig(head_dim, dtype, config.arch, TileConfig(128, block_n, 12, 2), kernel_family="sm90")
@@ -260,7 +240,7 @@ def _sm90_variant(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int 
 
 def _sm90_module(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int | None, persistent: bool):
     named, config = _sm90_variant(rules, head_dim, dtype, block_n, persistent)
-    with _scheduling(persistent):
+    with switched(PERSISTENT=persistent):
         return named, cache.get_module(named, config)
 
 
@@ -278,7 +258,7 @@ def persistent_variants():
     built = []
     for rules, head_dim, dtype, block_n, persistent in needed:
         named, config = _sm90_variant(rules, head_dim, dtype, block_n, persistent)
-        with _scheduling(persistent):
+        with switched(PERSISTENT=persistent):
             built.append(cache.variant(named, config))
     cache.build_variants(built)
 

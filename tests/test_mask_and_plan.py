@@ -118,6 +118,19 @@ def test_dq_ranks_count_the_lower_kv_tiles_of_each_q_tile(data, block_m, block_n
     assert ranks.dtype == torch.int32 and ranks.tolist() == expected
 
 
+def _ordered_dq_work(p) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """Per (batch element, kv-tile) CTA, its steps in the kernels' order (full, causal, partial q-tiles) as
+    (q-tile row across the batch, rank from Plan.dq_ranks)."""
+    ranks, work, entry = p.dq_ranks().tolist(), {}, 0
+    for b in range(p.batch_size):
+        for j in range(p.num_kv_tiles):
+            column = p.backward_tiles(j, batch=b)
+            q_tiles = column["full"] + column["causal"] + column["partial"]
+            work[b, j] = [(b * p.num_q_tiles + i, ranks[entry + n]) for n, i in enumerate(q_tiles)]
+            entry += len(q_tiles)
+    return work
+
+
 @settings(max_examples=100)
 @given(st.data(), block_sizes, block_sizes, st.integers(1, 4))
 def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_n, resident):
@@ -128,14 +141,7 @@ def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_
     additions come in kv-tile order."""
     rule_set = data.draw(rules())
     p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 2), block_m, block_n)
-    ranks = p.dq_ranks().tolist()
-    per_column, entry = {}, 0  # per (batch, kv-tile): [(q-tile row, rank), ...]; ranks in plan order
-    for b in range(p.batch_size):
-        for j in range(p.num_kv_tiles):
-            column = p.backward_tiles(j, batch=b)
-            q_tiles = column["full"] + column["causal"] + column["partial"]
-            per_column[b, j] = [(b * p.num_q_tiles + i, ranks[entry + n]) for n, i in enumerate(q_tiles)]
-            entry += len(q_tiles)
+    per_column = _ordered_dq_work(p)
     launch = [(b, j) for j in range(p.num_kv_tiles) for b in range(p.batch_size)]  # kv-tiles slowest
     work = [per_column[cta] for cta in launch]
     counters, added = {}, {}
@@ -261,12 +267,8 @@ def test_banded_planner_matches_one_band(data, block_m, block_n, chunk_cost, own
 def _ordered_dq_ticks(p, heads: int, resident: int, kv_tiles_slowest: bool) -> tuple[int, float]:
     """Step-synchronous model of the ordered dQ: every running CTA does one step per tick if its q-tile's
     counter has reached its rank. Returns (ticks to finish, the ideal: all steps / resident CTAs)."""
-    ranks, columns, entry = p.dq_ranks().tolist(), [], 0
-    for j in range(p.num_kv_tiles):
-        column = p.backward_tiles(j, batch=0)
-        q_tiles = column["full"] + column["causal"] + column["partial"]
-        columns.append([(i, ranks[entry + n]) for n, i in enumerate(q_tiles)])
-        entry += len(q_tiles)
+    work = _ordered_dq_work(p)  # one sequence; every head walks the same columns
+    columns = [work[0, j] for j in range(p.num_kv_tiles)]
     if kv_tiles_slowest:
         launch = [(h, j) for j in range(p.num_kv_tiles) for h in range(heads)]
     else:

@@ -22,6 +22,8 @@ from omnigen.jit import toolchain as tools
 from omnigen.cli import cli
 from omnigen.targets import KernelConfig, TileConfig
 
+from kernel_cases import renamed, switched  # the GPU tests' helpers for sm90 switches
+
 REPO = Path(__file__).resolve().parent.parent
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
@@ -38,12 +40,8 @@ def other_scheduling_variant() -> cache.Variant:
     from omnigen.kernels.sm90 import resources
 
     flipped = not resources.PERSISTENT
-    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": f"buildtest_{'persistent' if flipped else 'grid'}"})
-    resources.PERSISTENT = flipped
-    try:
-        return cache.variant(rules, SM90A)
-    finally:
-        resources.PERSISTENT = not flipped
+    with switched(PERSISTENT=flipped):
+        return cache.variant(renamed(RULES, "persistent" if flipped else "grid"), SM90A)
 
 
 SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))
@@ -55,19 +53,10 @@ ORDERED = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig
 def switched_on_variant(switches: tuple[str, ...], config: KernelConfig) -> cache.Variant:
     """An sm90 module with switches on (resources.SPLIT_COLUMNS: the d256 kernel; ORDERED_DQ: deterministic mode's
     ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel; TABLES_ALWAYS_SHARED: the forward's
-    partial tiles read key tables from shared memory only), so that CI compiles those that are off too. The rules get a name of their own (a module's name does not
-    say which switches were on)."""
-    from omnigen.kernels.sm90 import resources
-
-    rules = omnigen.Rules.from_dict({**RULES.to_dict(), "name": "buildtest_" + "_".join(s.lower() for s in switches)})
-    saved = {switch: getattr(resources, switch) for switch in switches}
-    for switch in switches:
-        setattr(resources, switch, True)
-    try:
-        return cache.variant(rules, config)
-    finally:
-        for switch, value in saved.items():
-            setattr(resources, switch, value)
+    partial tiles read key tables from shared memory only), so that CI compiles those that are off too. The
+    rules get a name of their own (a module's name does not say which switches were on)."""
+    with switched(**dict.fromkeys(switches, True)):
+        return cache.variant(renamed(RULES, "_".join(s.lower() for s in switches)), config)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,10 +52,13 @@ class Sm90Family(KernelFamily):
 
     def describe_backward(self, config: KernelConfig) -> str:
         r = resources.Resources(config)
-        if r.hopper_backward_problems():
-            why = "; ".join(r.hopper_backward_problems())
-            if not SM80.backward_problems(r.sm80_backward_config()):
-                return f"the carried sm80 backward ({why}): {SM80.describe_backward(r.sm80_backward_config())}"
+        carried = r.sm80_backward_config()
+        carried_problems = SM80.backward_problems(carried)
+        hopper_problems = r.hopper_backward_problems()
+        if hopper_problems:
+            why = "; ".join(hopper_problems)
+            if not carried_problems:
+                return f"the carried sm80 backward ({why}): {SM80.describe_backward(carried)}"
             other = self.default_backward(config)
             if other != config:
                 return f"none in this module ({why}); an untuned kernel trains with {other.label}'s"
@@ -65,7 +68,7 @@ class Sm90Family(KernelFamily):
         gqa = "; GQA groups summed in the kernel" if r.hopper_grouped_heads else ""
         if r.hopper_ordered_dq:
             deterministic = "the same kernel, dQ added in kv-tile order"
-        elif SM80.backward_problems(r.sm80_backward_config()):
+        elif carried_problems:
             deterministic = "none (the carried sm80 backward has none for this variant)"
         else:
             deterministic = "the carried sm80 backward"
