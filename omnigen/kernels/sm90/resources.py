@@ -58,14 +58,16 @@ PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPing
 # heaviest first with one set of barriers, its K/V ring running on across tiles and the next tile's Q and
 # K/V loading under the current one's last P V and epilogue. Off: one CTA per tile. TileConfig has no
 # field for it, so the tuner does not search it: a module-level switch like PINGPONG. Sources differ, so
-# the cache keys differ, but module names do not: flip it per process, not within one.
+# the cache keys differ, but module names do not: flip it per process, not within one. Since the tiles run
+# in L2 sections (TileOrder) it is 4-15% slower than the grid at 16K-32K (its static snake lets the CTAs of
+# one section drift apart, so they stop sharing K and V lines in L2): off.
 PERSISTENT = False
 # The forward's partial kv-tiles read their key tables from shared memory always (kTablesAlwaysShared): the
-# producer copies the rows TMA cannot bring (unaligned, past the end). Until then the mask read a pointer picked
-# between shared and global memory, so every read was a generic load; the same change in the backward took 8-16%
-# off its time on the H200. Built and compiled, not yet run on a GPU: off until
-# `pytest -m gpu tests/test_kernel_forward_gpu.py -k shared_tables` passes and an A/B says it is faster.
-TABLES_ALWAYS_SHARED = False
+# producer copies the rows TMA cannot bring (unaligned, past the end). Before, the mask read a pointer picked
+# between shared and global memory, so every read was a generic load. On the H200 (RESULTS.md, 2026-11-23):
+# partial/full tile cost 2.26 -> 2.06, Transfusion d128 forward -1.5% (8K) and -0.7% (32K), d64 within noise;
+# the d128 forward kernel's spills 4 -> 0 bytes.
+TABLES_ALWAYS_SHARED = True
 
 
 def default_tile(head_dim: int) -> TileConfig:
