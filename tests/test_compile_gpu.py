@@ -172,6 +172,8 @@ def test_mask_and_plain_layout_give_the_same_result_and_the_mask_call_does_not_s
     try:
         out = omnigen.attention(q.requires_grad_(), k, v, mask)
         out.backward(torch.ones_like(out))
+        out = omnigen.attention(q, k, v, mask, deterministic=True)  # the ordered dQ's ranks: no sync either
+        out.backward(torch.ones_like(out))
         again = omnigen.mask(RULES, omnigen.Layout.batch(OTHER), device="cuda")  # planning on the GPU: no sync either
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -148,20 +148,30 @@ def _schedule_row(ptr: torch.Tensor, index: torch.Tensor, row: int) -> dict[str,
 
 def dq_ranks(fwd_ptr: torch.Tensor, fwd_kv: torch.Tensor, bwd_ptr: torch.Tensor, bwd_q: torch.Tensor, batch_size: int,
              num_q_tiles: int, num_kv_tiles: int) -> torch.Tensor:
-    """int32 [tiles], parallel to `bwd_q`: for each backward-schedule entry (kv-tile j, q-tile i), how many
-    kv-tiles before j (in index order) the q-tile's row visits.
+    """int32 [len(bwd_q)], parallel to `bwd_q`: for each backward-schedule entry (kv-tile j, q-tile i), how many
+    kv-tiles before j (in index order) the q-tile's row visits; 0 past the plan's last entry.
 
     Deterministic mode on Hopper adds a q-tile's dQ contributions in this order: the kv-tile of rank r waits
     until the q-tile's counter reaches r, so every dQ element gets the same sums in the same order on every
     run, and a kv-tile only ever waits for lower-indexed ones (earlier CTAs of the grid: no deadlock). Memory:
-    a few int64 copies of the tile count, like the plan itself."""
+    a few int64 copies of the tile count, like the plan itself.
+
+    No host sync and shapes fixed by the buffers' lengths (a precomputed mask's schedule buffers may be longer
+    than its plan): it runs inside CUDA-graph capture, and a captured graph recomputes the ranks when the mask
+    is overwritten with another layout's."""
     nq, nk = num_q_tiles, num_kv_tiles
     rows, columns = batch_size * nq, batch_size * nk
-    total, device = int(fwd_ptr[3 * rows]), fwd_kv.device
+    device = fwd_kv.device
     fwd, bwd = fwd_ptr.long(), bwd_ptr.long()
-    row_of = torch.repeat_interleave(torch.arange(rows, device=device), fwd[3::3] - fwd[:-1:3])
-    visited = (row_of * nk + fwd_kv[:total].long()).sort().values  # rows in order, kv-tiles ascending in each
-    column_of = torch.repeat_interleave(torch.arange(columns, device=device), bwd[3::3] - bwd[:-1:3])
-    row = (column_of // nk) * nq + bwd_q[:total].long()
+    total = fwd[3 * rows]  # a 0-d tensor: read on the device, never by the host
+    # Row (q-tile) of each forward entry and column (kv-tile) of each backward entry, from the rows' starts.
+    forward_entries = torch.arange(fwd_kv.numel(), device=device)
+    row_of = torch.searchsorted(fwd[0 : 3 * rows + 1 : 3], forward_entries, right=True) - 1
+    unused = rows * nk  # past every real key: entries beyond the plan sort last
+    visited = torch.where(forward_entries < total, row_of * nk + fwd_kv.long(), unused).sort().values
+    backward_entries = torch.arange(bwd_q.numel(), device=device)
+    inside = backward_entries < total
+    column_of = (torch.searchsorted(bwd[0 : 3 * columns + 1 : 3], backward_entries, right=True) - 1).clamp(0, columns - 1)
+    row = torch.where(inside, (column_of // nk) * nq + bwd_q.long(), 0).clamp(0, rows - 1)
     position = torch.searchsorted(visited, row * nk + column_of % nk)
-    return (position - fwd[3 * row]).to(torch.int32)
+    return torch.where(inside, position - fwd[3 * row], 0).to(torch.int32)
