@@ -383,6 +383,33 @@ def test_sm90_grouped_gqa_backward(case, head_dim, dtype, mode):
             _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
 
 
+# ---- atomic-order dQ through the writer warp (resources.DQ_WRITER_WARP, on since 2026-11-23): the
+# consumers stage each step's dQ rows and warp 1 of the producer warpgroup adds them; also with GQA groups summed
+# in the kernel. (Deterministic mode's writer is the same function, run by the default module's tests.)
+
+DQ_WRITER_VARIANTS = [("atomic", 64, "bf16"), ("atomic", 128, "bf16"), ("atomic", 128, "fp16"), ("grouped", 128, "bf16")]
+
+
+@pytest.mark.parametrize("mode,head_dim,dtype", DQ_WRITER_VARIANTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_dq_writer_backward(case, mode, head_dim, dtype):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    if rules is MIXED and (mode, head_dim, dtype) != ("atomic", 128, "bf16"):
+        pytest.skip("the mixed rules on one variant only")
+    if mode == "grouped" and Hq == Hkv:
+        pytest.skip("GQA cases only")
+    named = renamed(rules, f"dq_writer_{mode}")
+    with switched(DQ_WRITER_WARP=True, GQA_IN_KERNEL=mode == "grouped"):
+        module = _module(named, head_dim, dtype, family="sm90")
+        config = _config(head_dim, dtype, visible_gpu_arch(), family="sm90")
+        assert "from a writer warp" in kernels.FAMILIES["sm90"].describe_backward(config)
+        _check_case(named, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
+                    deterministic=False, name=name, family="sm90")
+
+
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("s17_gqa", "pad_docs_strided", "misaligned_images_1000",
                                                               "all_pad_rows", "mixed_windows")],

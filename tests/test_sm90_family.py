@@ -172,7 +172,8 @@ def test_ordered_dq_is_deterministic_modes_own_kernel_instance(monkeypatch, orde
     assert f"constexpr bool kOrderedDq = {'true' if ordered else 'false'};" in binding
     assert "hopper_dkdv_kernel<false><<<" in backward
     assert ("hopper_dkdv_kernel<true><<<" in backward) == ordered
-    assert ("void write_query_gradient_in_order(" in backward) == ordered
+    writer = ordered or resources.Resources(config).hopper_dq_writer  # deterministic mode, or DQ_WRITER_WARP
+    assert ("void write_query_gradient(" in backward) == writer
     # Not with split columns: their dQ goes by per-thread atomics, which no counter orders.
     monkeypatch.setattr(resources, "SPLIT_COLUMNS", True)
     assert not resources.Resources(KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))).hopper_ordered_dq

@@ -166,12 +166,13 @@ def dq_ranks(fwd_ptr: torch.Tensor, fwd_kv: torch.Tensor, bwd_ptr: torch.Tensor,
     total = fwd[3 * rows]  # a 0-d tensor: read on the device, never by the host
     # Row (q-tile) of each forward entry and column (kv-tile) of each backward entry, from the rows' starts.
     forward_entries = torch.arange(fwd_kv.numel(), device=device)
-    row_of = torch.searchsorted(fwd[0 : 3 * rows + 1 : 3], forward_entries, right=True) - 1
+    row_of = torch.searchsorted(fwd[0 : 3 * rows + 1 : 3].contiguous(), forward_entries, right=True) - 1
     unused = rows * nk  # past every real key: entries beyond the plan sort last
     visited = torch.where(forward_entries < total, row_of * nk + fwd_kv.long(), unused).sort().values
     backward_entries = torch.arange(bwd_q.numel(), device=device)
     inside = backward_entries < total
-    column_of = (torch.searchsorted(bwd[0 : 3 * columns + 1 : 3], backward_entries, right=True) - 1).clamp(0, columns - 1)
+    column_starts = bwd[0 : 3 * columns + 1 : 3].contiguous()
+    column_of = (torch.searchsorted(column_starts, backward_entries, right=True) - 1).clamp(0, columns - 1)
     row = torch.where(inside, (column_of // nk) * nq + bwd_q.long(), 0).clamp(0, rows - 1)
     position = torch.searchsorted(visited, row * nk + column_of % nk)
     return torch.where(inside, position - fwd[3 * row], 0).to(torch.int32)

@@ -64,6 +64,8 @@ class Sm90Family(KernelFamily):
                 return f"none in this module ({why}); an untuned kernel trains with {other.label}'s"
             return f"none ({why})"
         dq = "vector atomics" if r.hopper_split_columns else "TMA reduce-add"
+        if r.hopper_dq_writer:
+            dq += " from a writer warp"
         shape = "64 keys, head dims split between the warpgroups" if r.hopper_split_columns else "128 keys"
         gqa = "; GQA groups summed in the kernel" if r.hopper_grouped_heads else ""
         if r.hopper_ordered_dq:
@@ -101,6 +103,7 @@ class Sm90Family(KernelFamily):
             "hopper_backward": not hopper_problems,
             "hopper_split_columns": r.hopper_split_columns,
             "ordered_dq": r.hopper_ordered_dq,
+            "dq_writer": r.hopper_dq_writer,
             "grouped_heads": r.hopper_grouped_heads,
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,

@@ -42,6 +42,13 @@ SPLIT_COLUMNS = True
 # 33-38% at S = 8K, 1.5-1.9x faster than the carried sm80 backward that deterministic mode runs with it off
 # (RESULTS.md).
 ORDERED_DQ = True
+# Atomic-order dQ through a writer warp (kDqWriter): the consumer warps stage each step's dQ rows and go on; warp
+# 1 of the producer warpgroup issues the TMA reduce-adds and waits until they have read the boxes, as in the
+# ordered mode minus its counter. Before, every consumer warp's lane 0 issued its own two reductions, and that
+# issue loop was 5% of the consumers' stall samples (Nsight, Transfusion 8K d128). On the H200 (RESULTS.md,
+# 2026-11-23): backward -3..-4% at d128 (Transfusion 32K 23.46 -> 22.56 ms); the writer warp spills 24 B in the
+# producer warpgroup's 24 registers, the consumers none.
+DQ_WRITER_WARP = True
 # GQA on the Hopper backward (kGroupedHeads): a CTA walks every query head of its kv head and sums their dK and
 # dV in registers, written once in the element type, instead of fp32 partials per query head that the caller
 # sums (2 x 4 bytes x heads_q x S x D extra at peak: 1 GiB for 32 query heads of d128 at 32K tokens); K and V
@@ -81,10 +88,10 @@ def default_tile(head_dim: int) -> TileConfig:
 FORWARD_SPILL_ALLOWANCE = 16
 
 
-# The Hopper backward's atomic-order kernel spills nothing (d64-d256). The ordered instance (deterministic mode)
-# spills in its producer warpgroup, which runs on 24 registers: the producer thread's table copies (odd lengths,
-# last steps) and the dQ writer's loop, 24/44 B at d128, 82/124 B with GQA groups in the kernel (off); none of it
-# on the consumers' path.
+# The Hopper backward's kernels spill in their producer warpgroup only, which runs on 24 registers: the producer
+# thread's table copies (odd lengths, last steps) and the dQ writer warp's loop (both instances, since
+# DQ_WRITER_WARP), 24/44 B at d128, 82/124 B with GQA groups in the kernel (off); none of it on the consumers'
+# path (their SASS has no local memory access past the prologue).
 HOPPER_BACKWARD_SPILL_ALLOWANCE = 128
 
 
@@ -135,6 +142,12 @@ class Resources:
         """Whether deterministic mode runs the Hopper backward, its dQ additions ordered by kv-tile (not with split
         columns: their dQ goes by per-thread atomics, which no counter can order)."""
         return ORDERED_DQ and not self.hopper_split_columns and not self.hopper_backward_problems()
+
+    @property
+    def hopper_dq_writer(self) -> bool:
+        """Whether the atomic-order Hopper backward hands its dQ reductions to a writer warp (not with split
+        columns: their dQ goes by per-thread atomics)."""
+        return DQ_WRITER_WARP and not self.hopper_split_columns and not self.hopper_backward_problems()
 
     @property
     def hopper_grouped_heads(self) -> bool:
