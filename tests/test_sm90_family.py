@@ -93,13 +93,17 @@ def test_an_sm90_edit_renames_no_sm80_module(monkeypatch):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_persistent_scheduling_is_a_render_switch(monkeypatch, persistent):
-    """resources.PERSISTENT renders kPersistent (min(SMs, tiles) CTAs walking work tiles); the shared memory
-    holds its Q-empty barrier either way, so the resource model does not depend on it."""
+    """resources.PERSISTENT renders kPersistent (min(SMs, tiles) CTAs taking work tiles from a counter) and the
+    binding's PERSISTENT_FORWARD (the caller must pass the zeroed counter); the shared memory holds the Q-empty
+    barrier and the tile slots either way, so the resource model does not depend on it."""
     monkeypatch.setattr(resources, "PERSISTENT", persistent)
     config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
-    forward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+    sources, names = codegen.render(RULES, config), codegen.source_names(RULES, config)
+    forward, binding = sources[names["kernel"]], sources[names["binding"]]
     assert f"constexpr bool kPersistent = {'true' if persistent else 'false'};" in forward
-    for text in ("uint64_t q_empty;", "struct WorkTiles", "cudaDevAttrMultiProcessorCount",
+    assert f"constexpr bool kPersistentForward = {'true' if persistent else 'false'};" in binding
+    for text in ("uint64_t q_empty;", "int32_t next_tile[2];", "atomicAdd(args.tile_counter, 1)",
+                 "cudaDevAttrMultiProcessorCount", "cudaDevAttrL2CacheSize",
                  f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}"):
         assert text in forward, text
 

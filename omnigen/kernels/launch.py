@@ -26,13 +26,18 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides)."""
     B, Hq, S, _ = q.shape
     t = p.tables
+    extra: dict[str, Any] = {}
+    if getattr(module, "PERSISTENT_FORWARD", False):  # its work tiles come from a counter, zeroed per launch
+        # A fresh one per call (a memset on the stream): two launches on two streams never share a counter.
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        extra["tile_counter"] = counter.data_ptr()
     module.forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         B, Hq, k.shape[1], S, scale,
         p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(),
         t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-        _stream(),
+        _stream(), **extra,
     )
 
 

@@ -45,6 +45,7 @@ class Sm80Family(KernelFamily):
             "mma_backward_problem": problem,
             "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
             "grouped_heads": False,  # GQA: dK/dV partials per query head (the sm90 family's may sum them itself)
+            "persistent": False,  # the forward: one CTA per tile (the sm90 family's may loop over tiles)
             "backward_problem": problem,
             "step_rows": r.BACKWARD_STEP_ROWS,
             "bwd_warps": r.backward_warps,

@@ -61,13 +61,17 @@ HOPPER_STAGES = 2
 HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPingPong): no measurable gain yet (RESULTS.md)
-# Persistent forward (kPersistent): min(SMs, work tiles) CTAs, each looping over (q-tile, batch, head) tiles
-# heaviest first with one set of barriers, its K/V ring running on across tiles and the next tile's Q and
-# K/V loading under the current one's last P V and epilogue. Off: one CTA per tile. TileConfig has no
-# field for it, so the tuner does not search it: a module-level switch like PINGPONG. Sources differ, so
-# the cache keys differ, but module names do not: flip it per process, not within one. Since the tiles run
-# in L2 sections (TileOrder) it is 4-15% slower than the grid at 16K-32K (its static snake lets the CTAs of
-# one section drift apart, so they stop sharing K and V lines in L2): off.
+# Persistent forward (kPersistent): min(SMs, work tiles) CTAs, each looping over (q-tile, batch, head) tiles in
+# TileOrder with one set of barriers, its K/V ring running on across tiles and the next tile's Q and K/V loading
+# under the current one's last P V and epilogue. A CTA starts with tile blockIdx.x and takes each further one
+# from a per-launch counter (atomicAdd; the launcher zeroes it), so tiles start in TileOrder as SMs free up,
+# as the hardware starts a grid's CTAs. Off: one CTA per tile. The first, static version (a snake over rounds)
+# was 4-15% slower than the grid at 16K-32K once tiles ran in L2 sections: its CTAs drifted apart and stopped
+# sharing K/V lines in L2. The dynamic one is built and compiled, not yet run on a GPU: off until
+# `pytest -m gpu tests/test_kernel_forward_gpu.py -k persistent` passes and `scripts/bench_forward.py
+# --persistent both` says it is faster (the grid's fixed cost per CTA is ~7.6 us at 8K: what it could win).
+# TileConfig has no field for it, so the tuner does not search it: a module-level switch like PINGPONG. Sources
+# differ, so the cache keys differ, but module names do not: flip it per process, not within one.
 PERSISTENT = False
 # The forward's partial kv-tiles read their key tables from shared memory always (kTablesAlwaysShared): the
 # producer copies the rows TMA cannot bring (unaligned, past the end). Before, the mask read a pointer picked
@@ -118,14 +122,15 @@ class Resources:
     @property
     def shared_storage_bytes(self) -> int:
         """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, stages x 3 int32 key tables, then the
-        barriers (Q full and empty, and full + empty for K and V per stage), rounded up to the 1024-byte
-        alignment."""
+        barriers (Q full and empty, full + empty for K and V per stage, the persistent grid's two tile slots'
+        full + empty) and the two slots' tile numbers, rounded up to the 1024-byte alignment."""
         t = self.config.tile
         q = t.block_m * 128 * self.boxes
         kv = t.block_n * 128 * self.boxes
         tables = t.stages * 3 * t.block_n * 4
-        barriers = 8 * (2 + 4 * t.stages)
-        return -(-(q + 2 * t.stages * kv + tables + barriers) // 1024) * 1024
+        barriers = 8 * (2 + 4 * t.stages + 4)
+        slots = 2 * 4
+        return -(-(q + 2 * t.stages * kv + tables + barriers + slots) // 1024) * 1024
 
     @property
     def shared_memory_bytes(self) -> int:

@@ -22,6 +22,7 @@ struct ForwardArgs {
   const int32_t* token_segment;   // LayoutTables.token_segment [batch, seq_len]
   const int32_t* token_modality;  // LayoutTables.token_modality [batch, seq_len]
   const int32_t* token_doc;       // LayoutTables.token_doc [batch, seq_len]
+  int32_t* tile_counter;          // the persistent sm90 forward's work-tile counter: one int32, zeroed; else null
 };
 
 // Implemented by the generated kernel file. Each returns 0 or a CUDA error code, and fills `message`
