@@ -172,6 +172,24 @@ def test_sm90_forward_tables_switch_off(case, head_dim, dtype):
     _check_forward(module, named, case, head_dim, dtype, "sm90 tables from either memory")
 
 
+# ---- the sm90 forward's O through shared memory and TMA stores (resources.STORE_BY_TMA, off until these pass on
+# a GPU): the cases' ragged last q-tiles are the rows the TMA store must clip.
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sm90_forward_store_by_tma(case, head_dim, dtype):
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    name, rules, _, _, _ = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules on one variant only")
+    named = renamed(rules, "store_by_tma")
+    with switched(STORE_BY_TMA=True):
+        module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
+    _check_forward(module, named, case, head_dim, dtype, "sm90 O by TMA store")
+
+
 def test_forward_rejects_bad_arguments():
     module = _module(TRANSFUSION, 128, "bf16")
     q, k, v = _inputs(1, 2, 2, 64, 128, torch.bfloat16, strided=False)

@@ -52,8 +52,9 @@ ORDERED = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig
 
 def switched_on_variant(switches: tuple[str, ...], config: KernelConfig) -> cache.Variant:
     """An sm90 module with switches on (resources.SPLIT_COLUMNS: the d256 kernel; ORDERED_DQ: deterministic mode's
-    ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel), so that CI compiles those that are off
-    too. The rules get a name of their own (a module's name does not say which switches were on)."""
+    ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel; STORE_BY_TMA: the forward's O by TMA
+    store), so that CI compiles those that are off too. The rules get a name of their own (a module's name does
+    not say which switches were on)."""
     with switched(**dict.fromkeys(switches, True)):
         return cache.variant(renamed(RULES, "_".join(s.lower() for s in switches)), config)
 
@@ -176,7 +177,7 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL"), ORDERED)]
+                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL", "STORE_BY_TMA"), ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:

@@ -79,6 +79,11 @@ PERSISTENT = False
 # partial/full tile cost 2.26 -> 2.06, Transfusion d128 forward -1.5% (8K) and -0.7% (32K), d64 within noise;
 # the d128 forward kernel's spills 4 -> 0 bytes.
 TABLES_ALWAYS_SHARED = True
+# The forward's O through shared memory and TMA stores (kStoreByTma; grid of tiles only): the 4-byte stores from
+# registers fill half of each 32-byte sector (Nsight: 42% of the forward's global sectors are excess). Built and
+# compiled, not yet run on a GPU: off until `pytest -m gpu tests/test_kernel_forward_gpu.py -k store_by_tma`
+# passes and an A/B says it is faster.
+STORE_BY_TMA = False
 
 
 def default_tile(head_dim: int) -> TileConfig:
