@@ -31,6 +31,12 @@ def parse_tile(text: str) -> omnigen.TileConfig:
     return omnigen.TileConfig(block_m=int(m), block_n=int(n), warps=int(w), stages=int(s or 2))
 
 
+def add_switch_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--switch", nargs="+", default=[], metavar="NAME",
+                        help="sm90 resources switches to turn on before building (e.g. ORDERED_DQ GQA_IN_KERNEL "
+                             "STORE_BY_TMA); one setting per process, since a process loads one module per name")
+
+
 def turn_on_switches(parser: argparse.ArgumentParser, names: list[str]) -> None:
     """--switch: set these sm90 resources switches (module-level booleans read when sources are rendered)."""
     if not names:
@@ -56,9 +62,7 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="time the backward's deterministic mode")
     parser.add_argument("--build-only", action="store_true",
                         help="build every (rules, dim, tile) module at once (threads; nvcc in parallel) and exit")
-    parser.add_argument("--switch", nargs="+", default=[], metavar="NAME",
-                        help="sm90 resources switches to turn on before building (e.g. ORDERED_DQ GQA_IN_KERNEL "
-                             "SPLIT_COLUMNS); one setting per process, since a process loads one module per name")
+    add_switch_option(parser)
     args = parser.parse_args()
     turn_on_switches(parser, args.switch)
 

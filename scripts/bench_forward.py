@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
 from kernel_workload import RULES, bench, build, random_inputs, standard_batch  # noqa: E402
-from bench_backward import parse_tile, turn_on_switches  # noqa: E402
+from bench_backward import add_switch_option, parse_tile, turn_on_switches  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, omnigen.TileConfig]:
@@ -76,9 +76,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--persistent", choices=("default", "on", "off", "both"), default="default",
                         help="the sm90 forward's scheduling: the tree's setting, persistent, one CTA per tile, or both")
-    parser.add_argument("--switch", nargs="+", default=[], metavar="NAME",
-                        help="sm90 resources switches to turn on before building (e.g. TABLES_ALWAYS_SHARED); "
-                             "one setting per process, since a process loads one module per name")
+    add_switch_option(parser)
     args = parser.parse_args()
     turn_on_switches(parser, args.switch)
 

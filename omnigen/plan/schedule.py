@@ -164,15 +164,18 @@ def dq_ranks(fwd_ptr: torch.Tensor, fwd_kv: torch.Tensor, bwd_ptr: torch.Tensor,
     device = fwd_kv.device
     fwd, bwd = fwd_ptr.long(), bwd_ptr.long()
     total = fwd[3 * rows]  # a 0-d tensor: read on the device, never by the host
-    # Row (q-tile) of each forward entry and column (kv-tile) of each backward entry, from the rows' starts.
+
+    def owners(ptr: torch.Tensor, groups: int, entries: torch.Tensor) -> torch.Tensor:
+        """The schedule row (q-tile, or kv-tile for the backward) of each entry, from the rows' starts."""
+        return (torch.searchsorted(ptr[0 : 3 * groups + 1 : 3].contiguous(), entries, right=True) - 1).clamp(0, groups - 1)
+
     forward_entries = torch.arange(fwd_kv.numel(), device=device)
-    row_of = torch.searchsorted(fwd[0 : 3 * rows + 1 : 3].contiguous(), forward_entries, right=True) - 1
     unused = rows * nk  # past every real key: entries beyond the plan sort last
-    visited = torch.where(forward_entries < total, row_of * nk + fwd_kv.long(), unused).sort().values
+    visited = torch.where(forward_entries < total, owners(fwd, rows, forward_entries) * nk + fwd_kv.long(), unused)
+    visited = visited.sort().values
     backward_entries = torch.arange(bwd_q.numel(), device=device)
     inside = backward_entries < total
-    column_starts = bwd[0 : 3 * columns + 1 : 3].contiguous()
-    column_of = (torch.searchsorted(column_starts, backward_entries, right=True) - 1).clamp(0, columns - 1)
+    column_of = owners(bwd, columns, backward_entries)
     row = torch.where(inside, (column_of // nk) * nq + bwd_q.long(), 0).clamp(0, rows - 1)
     position = torch.searchsorted(visited, row * nk + column_of % nk)
     return torch.where(inside, position - fwd[3 * row], 0).to(torch.int32)

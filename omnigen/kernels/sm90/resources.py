@@ -148,16 +148,22 @@ class Resources:
         return self.config.tile.block_n == 64
 
     @property
+    def hopper_tma_dq(self) -> bool:
+        """Whether the module's Hopper backward adds dQ by TMA reduce-add from staged boxes (not with split
+        columns: their dQ goes by per-thread atomics) -- what ordered dQ and the writer warp build on."""
+        return not self.hopper_split_columns and not self.hopper_backward_problems()
+
+    @property
     def hopper_ordered_dq(self) -> bool:
         """Whether deterministic mode runs the Hopper backward, its dQ additions ordered by kv-tile (not with split
         columns: their dQ goes by per-thread atomics, which no counter can order)."""
-        return ORDERED_DQ and not self.hopper_split_columns and not self.hopper_backward_problems()
+        return ORDERED_DQ and self.hopper_tma_dq
 
     @property
     def hopper_dq_writer(self) -> bool:
         """Whether the atomic-order Hopper backward hands its dQ reductions to a writer warp (not with split
         columns: their dQ goes by per-thread atomics)."""
-        return DQ_WRITER_WARP and not self.hopper_split_columns and not self.hopper_backward_problems()
+        return DQ_WRITER_WARP and self.hopper_tma_dq
 
     @property
     def hopper_grouped_heads(self) -> bool:
