@@ -77,7 +77,7 @@ constexpr bool kPingPong = false;
 // Persistent: a grid of min(SMs, work tiles) CTAs, each looping over work tiles (see produce_tiles) with one
 // set of barriers, so launch, barrier set-up and the pipeline's fill and drain are paid once per SM, and
 // a tile's epilogue overlaps the next tile's loads. Off: one CTA per work tile.
-constexpr bool kPersistent = false;
+constexpr bool kPersistent = true;
 // Partial kv-tiles' key tables always through shared memory (the producer copies what TMA cannot bring).
 constexpr bool kTablesAlwaysShared = true;
 // O leaves through shared memory (Q's buffer, free once the tile's last S = Q K^T is done) and one TMA store per

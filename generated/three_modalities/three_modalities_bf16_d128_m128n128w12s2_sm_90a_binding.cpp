@@ -73,7 +73,7 @@ constexpr bool kOrderedDq = true;
 // GQA: the Hopper kernel can sum a kv head's query heads' dK/dV itself (dkdv_per_kv_head).
 constexpr bool kGqaInKernel = false;
 // The persistent forward takes its work tiles from a counter the caller zeroes (tile_counter).
-constexpr bool kPersistentForward = false;
+constexpr bool kPersistentForward = true;
 
 void require(bool condition, const std::string& message) {
   if (!condition) throw py::value_error(message);

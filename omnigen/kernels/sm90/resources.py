@@ -65,14 +65,13 @@ PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPing
 # TileOrder with one set of barriers, its K/V ring running on across tiles and the next tile's Q and K/V loading
 # under the current one's last P V and epilogue. A CTA starts with tile blockIdx.x and takes each further one
 # from a per-launch counter (atomicAdd; the launcher zeroes it), so tiles start in TileOrder as SMs free up,
-# as the hardware starts a grid's CTAs. Off: one CTA per tile. The first, static version (a snake over rounds)
-# was 4-15% slower than the grid at 16K-32K once tiles ran in L2 sections: its CTAs drifted apart and stopped
-# sharing K/V lines in L2. The dynamic one is built and compiled, not yet run on a GPU: off until
-# `pytest -m gpu tests/test_kernel_forward_gpu.py -k persistent` passes and `scripts/bench_forward.py
-# --persistent both` says it is faster (the grid's fixed cost per CTA is ~7.6 us at 8K: what it could win).
+# as the hardware starts a grid's CTAs. The first, static version (a snake over rounds) was 4-15% slower than
+# the grid at 16K-32K once tiles ran in L2 sections: its CTAs drifted apart and stopped sharing K/V lines in L2.
+# The dynamic one against the grid (H200, RESULTS.md 2026-11-23, d128): Transfusion 8K +1.8% (2.091 -> 2.128 ms),
+# 16K -4.1%, 32K -2.7%; causal rules 8K -3.8%, 16K -3.7%, 32K +1.3%; d64 -2.6..0%. On.
 # TileConfig has no field for it, so the tuner does not search it: a module-level switch like PINGPONG. Sources
 # differ, so the cache keys differ, but module names do not: flip it per process, not within one.
-PERSISTENT = False
+PERSISTENT = True
 # The forward's partial kv-tiles read their key tables from shared memory always (kTablesAlwaysShared): the
 # producer copies the rows TMA cannot bring (unaligned, past the end). Before, the mask read a pointer picked
 # between shared and global memory, so every read was a generic load. On the H200 (RESULTS.md, 2026-11-23):
@@ -80,9 +79,10 @@ PERSISTENT = False
 # the d128 forward kernel's spills 4 -> 0 bytes.
 TABLES_ALWAYS_SHARED = True
 # The forward's O through shared memory and TMA stores (kStoreByTma; grid of tiles only): the 4-byte stores from
-# registers fill half of each 32-byte sector (Nsight: 42% of the forward's global sectors are excess). Built and
-# compiled, not yet run on a GPU: off until `pytest -m gpu tests/test_kernel_forward_gpu.py -k store_by_tma`
-# passes and an A/B says it is faster.
+# registers fill half of each 32-byte sector (Nsight: 42% of the forward's global sectors are excess). Correct on
+# the H200 (`-k store_by_tma`) but not faster there (RESULTS.md 2026-11-23, d128: causal 8K -3%, 32K +5%;
+# Transfusion 8K +4%, 16K-32K within 1%): a grid CTA waits for its stores before it exits either way, and the
+# persistent grid, on by default, does not use it. Off.
 STORE_BY_TMA = False
 
 
