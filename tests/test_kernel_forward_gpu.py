@@ -36,6 +36,10 @@ pytestmark = [
 
 from kernel_cases import DTYPES, MIXED, TRANSFUSION, renamed, switched  # shared with the other kernel test file
 
+SHORT_SEGMENTS = " ".join(
+    [f"{'text' if i % 2 == 0 else 'image'}:{2 + (5 * i) % 6}" for i in range(120)]
+    + [f"{'image' if i % 3 == 0 else 'text'}:{9 + (7 * i) % 5}@1" for i in range(40)])
+
 # (name, rules, layouts as strings, heads_q, heads_kv)
 CASES = [
     ("one_token", TRANSFUSION, ["text:1"], 2, 2),
@@ -45,6 +49,10 @@ CASES = [
      ["text:37 image:256 text:101 image:256 text:50 image:300", "text:500 image:300@1 text:200@1"], 4, 1),
     ("all_pad_rows", TRANSFUSION, ["pad:150 text:50"], 1, 1),
     ("mixed_windows", MIXED, ["text:300 audio:170 image:130 text:77 image:64 audio:59"], 2, 2),
+    # kv-tiles of 20-60 segments (the sm90 forward's pair path: more runs than kMaxRuns) and of 8-16 (its run
+    # path at its limit), a document boundary among them
+    ("short_segments", TRANSFUSION, [SHORT_SEGMENTS], 2, 2),
+    ("short_segments_windows", MIXED, [SHORT_SEGMENTS.replace("image", "audio", 40)], 2, 1),
 ]
 
 

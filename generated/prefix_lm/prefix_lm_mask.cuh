@@ -81,4 +81,12 @@ __device__ __forceinline__ bool allowed(const RowRule& rule, int query_position,
                                       key_modality, key_document);
 }
 
+// Whether the query (rule, segment, document) sees every key of another segment (segment, modality, document),
+// its window aside: the per-segment form of `allowed`.
+__device__ __forceinline__ bool sees_other_segment(const RowRule& rule, int query_segment, int query_document,
+                                                   int key_segment, int key_modality, int key_document) {
+  return omnigen::sees_other_segment<MaskTables>(rule, query_segment, query_document, key_segment, key_modality,
+                                                 key_document);
+}
+
 }  // namespace omnigen_rules_prefix_lm

@@ -56,4 +56,18 @@ __device__ __forceinline__ bool allowed(const RowRule& rule, int query_position,
   return ok;
 }
 
+// DESIGN section 1 for a query and a whole segment other than its own, whose keys share one modality and
+// document: whether the query sees it (before its window). A query's own segment is the self policy, k <= q +
+// self_reach, and the window is k > q - window: both bounds on the key, so a query row's allowed keys within one
+// segment are one interval, and a partial tile's mask is a union of intervals, one per row and run of a segment
+// (the Hopper forward's run path). `allowed` is the same rule per pair.
+template <typename Tables>
+__device__ __forceinline__ bool sees_other_segment(const RowRule& rule, int query_segment, int query_document,
+                                                   int key_segment, int key_modality, int key_document) {
+  const uint32_t bits = key_segment < query_segment ? rule.sees_earlier : rule.sees_later;
+  bool ok = ((bits >> key_modality) & 1u) != 0u;
+  if constexpr (Tables::kIsolatedDocuments) ok &= key_document == query_document;  // documents: isolated
+  return ok;
+}
+
 }  // namespace omnigen
