@@ -24,7 +24,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @contextlib.contextmanager
-def switched(**switches: bool):
+def switched(**switches: bool | int):
     """omnigen.kernels.sm90.resources switches (module-level, read when sources are rendered) set for the block."""
     from omnigen.kernels.sm90 import resources
 

@@ -345,6 +345,24 @@ def test_sm90_ordered_dq_deterministic_backward(case, head_dim, dtype):
         _same_bits_again(module, _ordered_rules(rules), layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_ordered_dq_in_sections(case):
+    """The ordered grid in sections of 3 (head, batch) pairs (resources.ORDERED_SECTION_PAIRS; these cases have 4
+    and 8 pairs, so the last section is short): against float64, then identical bits again."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    named = renamed(rules, "ordered_sections")
+    strided = name == "pad_docs_strided"
+    with switched(ORDERED_DQ=True, ORDERED_SECTION_PAIRS=3):
+        module = _module(named, 128, "bf16", family="sm90")
+        first = _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=True, name=name,
+                            family="sm90")
+        _same_bits_again(module, named, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_ordered_dq_speed_report():

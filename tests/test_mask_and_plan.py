@@ -140,17 +140,20 @@ def _ordered_dq_work(p) -> dict[tuple[int, int], list[tuple[int, int]]]:
 
 
 @settings(max_examples=100)
-@given(st.data(), block_sizes, block_sizes, st.integers(1, 4))
-def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_n, resident):
+@given(st.data(), block_sizes, block_sizes, st.integers(1, 4), st.integers(0, 3))
+def test_ordered_dq_protocol_finishes_and_adds_in_kv_order(data, block_m, block_n, resident, section):
     """Deterministic mode's dQ protocol, simulated: CTAs (one per kv-tile and batch element, launched in the
-    ordered kernel's grid order, kv-tiles slowest, at most `resident` at a time) walk their backward schedules
+    ordered kernel's grid order: sections of `section` batch elements (0: one section of all), kv-tiles slowest
+    inside a section; at most `resident` CTAs at a time) walk their backward schedules
     in the kernels' order (full, causal, partial q-tiles); at each q-tile a CTA waits until the q-tile's counter
     equals its rank (Plan.dq_ranks), adds, and bumps the counter. Every CTA finishes, and each q-tile's
     additions come in kv-tile order."""
     rule_set = data.draw(rules())
-    p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 2), block_m, block_n)
+    p = omnigen.plan(rule_set, _padded_batch(data, rule_set, 3), block_m, block_n)
     per_column = _ordered_dq_work(p)
-    launch = [(b, j) for j in range(p.num_kv_tiles) for b in range(p.batch_size)]  # kv-tiles slowest
+    width = section or p.batch_size
+    launch = [(b, j) for first in range(0, p.batch_size, width) for j in range(p.num_kv_tiles)
+              for b in range(first, min(first + width, p.batch_size))]  # kv-tiles slowest inside a section
     work = [per_column[cta] for cta in launch]
     counters, added = {}, {}
     waiting, running, progress = list(range(len(work))), [], [0] * len(work)

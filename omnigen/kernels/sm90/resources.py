@@ -38,10 +38,18 @@ SPLIT_COLUMNS = True
 # Deterministic mode on the Hopper backward (kOrderedDq): dQ still leaves each CTA by TMA reduce-add, but one
 # thread adds the whole step's rows once the (batch, head, 64 rows) counter says every lower kv-tile visiting
 # them has added its own (ranks from Plan.dq_ranks), so the sums come in the same order on every run. The
-# ordered grid runs kv-tiles slowest so that lower kv-tiles are ahead. On: 5-11% over atomic order at S = 32K,
-# 33-38% at S = 8K, 1.5-1.9x faster than the carried sm80 backward that deterministic mode runs with it off
-# (RESULTS.md).
+# ordered grid runs kv-tiles slowest (in sections of heads) so that lower kv-tiles are ahead. On: 7-11% over
+# atomic order at S = 8K-32K (ORDERED_SECTION_PAIRS), 1.5-1.9x faster than the carried sm80 backward that
+# deterministic mode runs with it off (RESULTS.md).
 ORDERED_DQ = True
+# The ordered grid in sections of this many (query-head block, batch element) pairs, kv-tiles slowest inside a
+# section (0: one section of every pair). Fewer pairs per wave read fewer heads' Q and dO (4 MB a head at 8K, d128:
+# with every pair in one section, a wave held 64 heads' at 8K, far past L2); but more kv-tiles of one head then run
+# side by side, each a step behind the one below it. On the H200 (RESULTS.md, 2026-11-23), deterministic over
+# atomic, Transfusion d128 8K / 32K: one section +33% / +8.4%, 32 pairs +16% / +7.7%, 16 pairs +10.9% / +7.6%,
+# 8 pairs +14.7% / +10.6%; causal rules 8K / 32K: +16% / +6.0%, +10.6% / +8.0%, +10.0% / +6.7%, +14.5% / +7.7%.
+# Not with GQA_IN_KERNEL (its producer's spills doubled: that grid stays one section).
+ORDERED_SECTION_PAIRS = 16
 # Atomic-order dQ through a writer warp (kDqWriter): the consumer warps stage each step's dQ rows and go on; warp
 # 1 of the producer warpgroup issues the TMA reduce-adds and waits until they have read the boxes, as in the
 # ordered mode minus its counter. Before, every consumer warp's lane 0 issued its own two reductions, and that
