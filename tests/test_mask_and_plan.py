@@ -313,3 +313,44 @@ def test_ordered_dq_grid_runs_kv_tiles_slowest_so_that_nobody_waits_long():
     fastest, _ = _ordered_dq_ticks(p, heads=16, resident=32, kv_tiles_slowest=False)
     assert slowest <= 1.15 * ideal, (slowest, ideal)
     assert fastest >= 1.4 * ideal, (fastest, ideal)
+
+
+@settings(max_examples=150)
+@given(st.data(), st.integers(1, 48))
+def test_a_rows_keys_in_one_segment_are_one_interval(data, block_n):
+    """What the Hopper forward's run path relies on (forward.cu.j2 `run_mask`, mask_rules.cuh
+    `sees_other_segment`): within one kv-tile cut into runs of one segment, a row's allowed keys are, per run,
+    the whole run when the row sees that other segment, the run up to q + self_reach when it is the row's own
+    segment, nothing else; then cut by the row's window (k > q - W). Checked against the dense mask on every
+    kv-tile of random rules and layouts (pads, windows, shared documents, 1-token segments)."""
+    from omnigen.semantics import SEE_ALL, SEE_EARLIER, rule_tensors
+
+    rule_set = data.draw(rules())
+    layout = data.draw(layouts(rule_set))
+    dense = rule_set.dense_mask(layout)
+    tables = layout.tables(rule_set)
+    segment, modality, document = (t[0].long() for t in (tables.token_segment, tables.token_modality, tables.token_doc))
+    rule_t = rule_tensors(rule_set, "cpu")
+    pad, unlimited = rule_set.pad_id, 1 << 30
+    S = layout.seq_len
+    for key_start in range(0, S, block_n):
+        columns = range(key_start, min(S, key_start + block_n))
+        runs = [k for k in columns if k == key_start or segment[k] != segment[k - 1]]  # each run's first key
+        ends = runs[1:] + [columns[-1] + 1]
+        for q in range(S):
+            mq = int(modality[q])
+            reach = -unlimited if mq == pad else (0 if rule_t["causal"][mq] else unlimited)
+            window = int(rule_t["window"][mq]) if mq != pad else 0
+            expected = torch.zeros(S, dtype=torch.bool)
+            for first, end in zip(runs, ends):
+                if segment[first] == segment[q]:
+                    expected[first:max(first, min(end, q + reach + 1))] = True
+                    continue
+                code = int(rule_t["see"][mq, modality[first]])
+                sees = code >= SEE_EARLIER if segment[first] < segment[q] else code == SEE_ALL
+                if rule_set.isolated_documents:
+                    sees &= bool(document[first] == document[q])
+                expected[first:end] = sees
+            if window:
+                expected[: max(0, q - window + 1)] = False
+            assert torch.equal(expected[key_start:columns[-1] + 1], dense[q, key_start:columns[-1] + 1]), (q, key_start)
