@@ -44,6 +44,10 @@ HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/b
 from kernel_cases import DTYPES, MIXED, TRANSFUSION, renamed, switched  # shared with the other kernel test file
 ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
+SHORT_SEGMENTS = " ".join(
+    [f"{'text' if i % 2 == 0 else 'image'}:{2 + (5 * i) % 6}" for i in range(120)]
+    + [f"{'image' if i % 3 == 0 else 'text'}:{9 + (7 * i) % 5}@1" for i in range(40)])
+
 # (name, rules, layouts as strings, heads_q, heads_kv)
 CASES = [
     ("one_token", TRANSFUSION, ["text:1"], 2, 2),
@@ -54,6 +58,8 @@ CASES = [
     ("all_pad_rows", TRANSFUSION, ["pad:150 text:50"], 1, 1),
     ("documents_1000", TRANSFUSION, ["text:200 image:256 text:44 text:300@1 image:64@1 text:136@1"], 2, 2),
     ("mixed_windows", MIXED, ["text:300 audio:170 image:130 text:77 image:64 audio:59"], 2, 2),
+    # 64-query steps of 10-30 segments (the Hopper backward's pair path) and of 5-8 (its run path)
+    ("short_segments", TRANSFUSION, [SHORT_SEGMENTS], 2, 2),
 ]
 VARIANTS = [(64, "bf16"), (128, "bf16"), (128, "fp16")]
 # Other tiles the backward must get right: 8 warps of keys (the dQ phase splits the head dim between warps;
