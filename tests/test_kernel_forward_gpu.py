@@ -161,6 +161,20 @@ def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str
     assert lse_error <= 1e-3, f"lse error {lse_error:.3e}"
 
 
+def _check_sm90_switched(case, head_dim: int, dtype: str, suffix: str, label: str, **switches) -> None:
+    """_check_forward on an sm90 module built with resources switches set (its rules renamed: a module's name
+    does not say which switches were on)."""
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    name, rules, _, _, _ = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules on one variant only")
+    named = renamed(rules, suffix)
+    with switched(**switches):
+        module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
+    _check_forward(module, named, case, head_dim, dtype, label)
+
+
 # ---- the sm90 forward with resources.TABLES_ALWAYS_SHARED off (on by default since 2026-11-23): partial tiles
 # whose key tables TMA can bring read them from shared memory, the others from global memory through a generic
 # pointer. The cases' odd lengths, unaligned batch offsets and last kv-tiles take the global-memory branch.
@@ -169,33 +183,20 @@ def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_forward_tables_switch_off(case, head_dim, dtype):
-    if "sm90" not in FAMILY_NAMES:
-        pytest.skip("the sm90 family runs on Hopper only")
-    name, rules, _, _, _ = case
-    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
-        pytest.skip("the mixed rules on one variant only")
-    named = renamed(rules, "tables_either")
-    with switched(TABLES_ALWAYS_SHARED=False):
-        module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
-    _check_forward(module, named, case, head_dim, dtype, "sm90 tables from either memory")
+    _check_sm90_switched(case, head_dim, dtype, "tables_either", "sm90 tables from either memory",
+                         TABLES_ALWAYS_SHARED=False)
 
 
-# ---- the sm90 forward's O through shared memory and TMA stores (resources.STORE_BY_TMA, off until these pass on
-# a GPU): the cases' ragged last q-tiles are the rows the TMA store must clip.
+# ---- the sm90 forward's O through shared memory and TMA stores (resources.STORE_BY_TMA, off: correct, not
+# faster), a grid-of-tiles path only, so PERSISTENT off too: the cases' ragged last q-tiles are the rows the TMA
+# store must clip.
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_forward_store_by_tma(case, head_dim, dtype):
-    if "sm90" not in FAMILY_NAMES:
-        pytest.skip("the sm90 family runs on Hopper only")
-    name, rules, _, _, _ = case
-    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
-        pytest.skip("the mixed rules on one variant only")
-    named = renamed(rules, "store_by_tma")
-    with switched(STORE_BY_TMA=True):
-        module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
-    _check_forward(module, named, case, head_dim, dtype, "sm90 O by TMA store")
+    _check_sm90_switched(case, head_dim, dtype, "store_by_tma", "sm90 O by TMA store", STORE_BY_TMA=True,
+                         PERSISTENT=False)
 
 
 def test_forward_rejects_bad_arguments():

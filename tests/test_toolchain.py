@@ -36,12 +36,13 @@ SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(1
 
 def other_scheduling_variant() -> cache.Variant:
     """SM90A with the sm90 forward's non-default scheduling (resources.PERSISTENT flipped), so that both
-    compile. A module's name does not say which it is: the rules get a name of their own."""
+    compile; as a grid of tiles, with O by TMA store (resources.STORE_BY_TMA, a grid-only path). A module's name
+    does not say which it is: the rules get a name of their own."""
     from omnigen.kernels.sm90 import resources
 
     flipped = not resources.PERSISTENT
-    with switched(PERSISTENT=flipped):
-        return cache.variant(renamed(RULES, "persistent" if flipped else "grid"), SM90A)
+    with switched(PERSISTENT=flipped, STORE_BY_TMA=not flipped):
+        return cache.variant(renamed(RULES, "persistent" if flipped else "grid_store_by_tma"), SM90A)
 
 
 SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))
@@ -52,8 +53,8 @@ ORDERED = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig
 
 def switched_on_variant(switches: tuple[str, ...], config: KernelConfig) -> cache.Variant:
     """An sm90 module with switches on (resources.SPLIT_COLUMNS: the d256 kernel; ORDERED_DQ: deterministic mode's
-    ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel; STORE_BY_TMA: the forward's O by TMA
-    store), so that CI compiles those that are off too. The rules get a name of their own (a module's name does
+    ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel), so that CI compiles those that are off
+    too. The rules get a name of their own (a module's name does
     not say which switches were on)."""
     with switched(**dict.fromkeys(switches, True)):
         return cache.variant(renamed(RULES, "_".join(s.lower() for s in switches)), config)
@@ -177,7 +178,7 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL", "STORE_BY_TMA"), ORDERED)]
+                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL"), ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
