@@ -48,7 +48,10 @@ ORDERED_DQ = True
 # side by side, each a step behind the one below it. On the H200 (RESULTS.md, 2026-11-23), deterministic over
 # atomic, Transfusion d128 8K / 32K: one section +33% / +8.4%, 32 pairs +16% / +7.7%, 16 pairs +10.9% / +7.6%,
 # 8 pairs +14.7% / +10.6%; causal rules 8K / 32K: +16% / +6.0%, +10.6% / +8.0%, +10.0% / +6.7%, +14.5% / +7.7%.
-# Not with GQA_IN_KERNEL (its producer's spills doubled: that grid stays one section).
+# Not with GQA_IN_KERNEL (its producer's spills doubled: that grid stays one section). The figure is for head dim
+# 128; other head dims scale it by 128 / head_dim (`ordered_section_pairs`), so a section reads as many bytes. d64,
+# deterministic over atomic (H200, 2026-11-23), Transfusion 8K / 32K: 16 pairs +11.4% / +6.0%, 32 pairs +6.1% /
+# +5.0%, 64 pairs +17.7% / +6.9%; causal rules 16 pairs +11.5% / +6.1%, 32 pairs +6.7% / +5.2%.
 ORDERED_SECTION_PAIRS = 16
 # Atomic-order dQ through a writer warp (kDqWriter): the consumer warps stage each step's dQ rows and go on; warp
 # 1 of the producer warpgroup issues the TMA reduce-adds and waits until they have read the boxes, as in the
@@ -166,6 +169,12 @@ class Resources:
         """Whether deterministic mode runs the Hopper backward, its dQ additions ordered by kv-tile (not with split
         columns: their dQ goes by per-thread atomics, which no counter can order)."""
         return ORDERED_DQ and self.hopper_tma_dq
+
+    @property
+    def ordered_section_pairs(self) -> int:
+        """The ordered backward grid's section, in (head, batch) pairs: ORDERED_SECTION_PAIRS at head dim 128,
+        scaled so that a section's Q and dO take the same bytes at any head dim (0 stays 0: one section)."""
+        return max(1, ORDERED_SECTION_PAIRS * 128 // self.config.head_dim) if ORDERED_SECTION_PAIRS > 0 else 0
 
     @property
     def hopper_dq_writer(self) -> bool:
