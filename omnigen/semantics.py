@@ -46,16 +46,25 @@ def tile_predicate(
     rule_t: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """allowed[q_pos x k_pos] for batch element `batch`, from the per-token tables only."""
+    return pair_predicate(rules, tables, batch, q_pos[:, None], k_pos[None, :], rule_t)
+
+
+def pair_predicate(
+    rules: Any, tables: Any, batch: int | torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+    rule_t: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """allowed for every (batch, q_pos, k_pos) of the three broadcast together (any shapes). Positions at or past
+    the sequence's end are allowed nothing (a key there does not exist; a query there is padding)."""
     rule_t = rule_t or rule_tensors(rules, q_pos.device)
-    qp, kp = q_pos[:, None], k_pos[None, :]
-    seg_q = tables.token_segment[batch, q_pos].long()[:, None]
-    seg_k = tables.token_segment[batch, k_pos].long()[None, :]
-    mod_q = tables.token_modality[batch, q_pos].long()[:, None]
-    mod_k = tables.token_modality[batch, k_pos].long()[None, :]
+    S = tables.token_segment.shape[1]
+    inside = (q_pos < S) & (k_pos < S)
+    qp, kp = q_pos.clamp(max=S - 1), k_pos.clamp(max=S - 1)
+    seg_q, seg_k = tables.token_segment[batch, qp].long(), tables.token_segment[batch, kp].long()
+    mod_q, mod_k = tables.token_modality[batch, qp].long(), tables.token_modality[batch, kp].long()
     pad = rules.pad_id
-    allowed = (mod_q != pad) & (mod_k != pad)
+    allowed = inside & (mod_q != pad) & (mod_k != pad)
     if rules.isolated_documents:
-        allowed &= tables.token_doc[batch, q_pos][:, None] == tables.token_doc[batch, k_pos][None, :]
+        allowed &= tables.token_doc[batch, qp] == tables.token_doc[batch, kp]
     see = rule_t["see"][mod_q, mod_k]
     own = torch.where(rule_t["causal"][mod_q], kp <= qp, torch.ones_like(allowed))
     other = torch.where(seg_k < seg_q, see >= SEE_EARLIER, see == SEE_ALL)

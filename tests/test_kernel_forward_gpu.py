@@ -16,6 +16,7 @@ The sm90 forward's persistent scheduling (resources.PERSISTENT) has its own test
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import torch
 import omnigen
 from omnigen.jit import cache
 from omnigen.kernels.launch import launch_forward
+from omnigen.plan.bits import partial_bits
 from omnigen.tune.timing import median_ms
 from omnigen.jit.toolchain import visible_gpu_arch
 from omnigen.kernels import FAMILIES
@@ -91,10 +93,19 @@ def built_variants():
     _prebuild(sorted(needed, key=lambda x: (x[0].name, x[1], x[2])))
 
 
-def run_forward(module, rules, layout, q, k, v, scale=None):
-    """The forward through the library's own launcher, into NaN-poisoned outputs."""
+def run_forward(module, rules, layout, q, k, v, scale=None, bits: str | None = None):
+    """The forward through the library's own launcher, into NaN-poisoned outputs. `bits`: none (a bare plan: every
+    partial tile evaluated in the kernel), "half" (bits for the first half of the partial tiles, as a mask whose
+    capacity ran out) or "all"."""
     B, Hq, S, D = q.shape
     plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    if bits is not None:
+        partial = plan.counts()["partial"]
+        capacity = partial if bits == "all" else partial // 2
+        slot, words = partial_bits(rules, plan.tables, plan.fwd_ptr, plan.fwd_kv, plan.block_m, plan.block_n, capacity)
+        # What a Mask's schedules hand the launcher: the plan's tensors and the bits.
+        plan = SimpleNamespace(fwd_ptr=plan.fwd_ptr, fwd_kv=plan.fwd_kv, tables=plan.tables, partial_slot=slot,
+                               partial_bits=words)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, S), float("nan"), device=q.device, dtype=torch.float32)
     launch_forward(module, plan, q, k, v, o, lse, 1.0 / math.sqrt(D) if scale is None else scale)
@@ -131,14 +142,15 @@ def test_forward_matches_reference(case, head_dim, dtype, family):
     _check_forward(_module(rules, head_dim, dtype, family), rules, case, head_dim, dtype, family)
 
 
-def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str, label: str) -> None:
+def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str, label: str,
+                   bits: str | None = None) -> None:
     """The module's forward on the case against float64: out within 2x SDPA's error, lse, empty rows."""
     name, _, layout_texts, Hq, Hkv = case
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
     layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
     B, S = len(layouts), layouts[0].seq_len
     q, k, v = _inputs(B, Hq, Hkv, S, head_dim, DTYPES[dtype], strided=(name == "pad_and_docs"))
-    out, lse = run_forward(module, rules, layout, q, k, v)
+    out, lse = run_forward(module, rules, layout, q, k, v, bits=bits)
 
     mask = rules.dense_mask(layout, device="cuda")
     mask3 = mask if mask.dim() == 3 else mask[None]
@@ -173,6 +185,24 @@ def _check_sm90_switched(case, head_dim: int, dtype: str, suffix: str, label: st
     with switched(**switches):
         module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
     _check_forward(module, named, case, head_dim, dtype, label)
+
+
+# ---- the sm90 forward reading partial tiles' masks as bits (omnigen.plan.bits, resources.PARTIAL_BITS): for half of
+# the partial tiles (the rest evaluated in the same launch, as when a mask's capacity runs out) and for all.
+
+
+@pytest.mark.parametrize("bits", ["half", "all"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sm90_forward_reads_partial_bits(case, head_dim, dtype, bits):
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    name, rules, _, _, _ = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules are built for one variant only")
+    module = _module(rules, head_dim, dtype, "sm90")
+    assert module.PARTIAL_BITS
+    _check_forward(module, rules, case, head_dim, dtype, f"sm90 partial bits ({bits})", bits=bits)
 
 
 # ---- the sm90 forward with resources.TABLES_ALWAYS_SHARED off (on by default since 2026-11-23): partial tiles

@@ -31,6 +31,9 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
         # A fresh one per call (a memset on the stream): two launches on two streams never share a counter.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         extra["tile_counter"] = counter.data_ptr()
+    bits = getattr(p, "partial_bits", None)  # a Mask's schedules hold them; a bare Plan does not
+    if bits is not None and bits.numel() > 0 and getattr(module, "PARTIAL_BITS", False):
+        extra.update(partial_slot=p.partial_slot.data_ptr(), partial_bits=bits.data_ptr(), partial_bits_words=bits.numel())
     module.forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],

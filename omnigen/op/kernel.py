@@ -146,12 +146,13 @@ class Kernel:
         return list(dict.fromkeys(shapes))
 
     def mask(self, layout: AnyLayout | str, *, device: torch.device | str | None = None,
-             batch: int | None = None) -> Mask:
-        """A mask for exactly the tile shapes this kernel runs on `layout` (device: the current CUDA one)."""
+             batch: int | None = None, partial_bits: int | str = "auto") -> Mask:
+        """A mask for exactly the tile shapes this kernel runs on `layout` (device: the current CUDA one);
+        `partial_bits` as for `omnigen.mask`."""
         layout = as_layout(layout)
         check_layout_against(layout, self.rules, batch or layout.batch_size, layout.seq_len)
         device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-        return make_mask(self.rules, layout, self.tile_shapes(layout.seq_len), device, batch)
+        return make_mask(self.rules, layout, self.tile_shapes(layout.seq_len), device, batch, partial_bits)
 
     def _mask_for_layout(self, layout: AnyLayout, batch: int, device: torch.device) -> Mask:
         """A plain layout planned for this call's tile shapes (eager; kept while the same layout returns)."""
@@ -361,6 +362,7 @@ def mask(
     head_dim: int | None = None,
     dtype: torch.dtype | None = None,
     tiles: list[tuple[int, int]] | None = None,
+    partial_bits: int | str = "auto",
 ) -> Mask:
     """Plan `layout` once (per batch) for every tile shape a kernel for `rules` may run at its length.
 
@@ -369,6 +371,12 @@ def mask(
     backward tiles of this GPU's tuning database for the layout's sequence length. With the mask, a call
     (`omnigen.attention(q, k, v, mask)`, `kernel(q, k, v, mask)`) does no host sync and allocates nothing
     that depends on the layout. `batch` repeats a single layout over a batch.
+
+    `partial_bits`: how many partial tiles (per tile shape) get their mask precomputed as bits, which the Hopper
+    forward reads instead of evaluating the rules (1 bit per pair: 2 KB a 128 x 128 tile). "auto" (default):
+    4 per q-tile row of the batch, O(S) memory, more than Transfusion-style layouts use; "all": every tile
+    (B * S^2 / 8 bytes at most; for layouts of many short segments); a number; "none". Partial tiles past the
+    capacity are evaluated in the kernel, as they always are on other GPUs.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
@@ -379,7 +387,7 @@ def mask(
         device = torch.device("cuda", torch.cuda.current_device())
     if tiles is None:
         tiles = candidate_tile_shapes(rules, layout.seq_len, device, head_dim, dtype)
-    return make_mask(rules, layout, tiles, device, batch)
+    return make_mask(rules, layout, tiles, device, batch, partial_bits)
 
 
 def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head_dim: int | None = None,

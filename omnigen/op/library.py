@@ -9,7 +9,8 @@ as one node (it never traces the launch code, which reads raw pointers and the C
     omnigen::attention_backward(d_out, q, k, v, out, lse, schedules, tiles, token_segment,
                                 token_modality, token_doc, kernel, scale, deterministic) -> (dq, dk, dv)
 
-- `schedules`: a mask's schedules, four tensors per tile shape (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, int32);
+- `schedules`: a mask's schedules, six int32 tensors per tile shape (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, and the
+  partial tiles' slot starts and bits, `omnigen.plan.bits`);
   `tiles`: their (block_m, block_n), flattened. The op runs the tile shapes its kernel picks for the
   sequence length (the tuned choice, or the default) and finds their schedules in the list.
 - `kernel`: which kernel, as a string: "kernel:<Kernel.key>" (a `Kernel` object of this process) or
@@ -31,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..kernels import family_of, kernel_ready
+from ..plan.masks import PER_SHAPE, SCHEDULE_TENSORS
 from ..plan.schedule import dq_ranks
 
 KERNEL_PREFIX = "kernel:"
@@ -98,6 +100,8 @@ class Schedules(NamedTuple):
     fwd_kv: torch.Tensor
     bwd_ptr: torch.Tensor
     bwd_q: torch.Tensor
+    partial_slot: torch.Tensor  # plan.bits: slot of each q-tile row's first partial entry
+    partial_bits: torch.Tensor  # plan.bits: the partial tiles' masks, as many slots as it holds
     tables: TokenTables
 
     @property
@@ -131,7 +135,7 @@ def schedules_for(schedules: list[torch.Tensor], tiles: list[int], tables: Token
     """The schedules of one tile shape out of the op's flat lists; ValueError when the mask lacks it."""
     for index in range(len(tiles) // 2):
         if tiles[2 * index] == block_m and tiles[2 * index + 1] == block_n:
-            return Schedules(block_m, block_n, *schedules[4 * index : 4 * index + 4], tables)
+            return Schedules(block_m, block_n, *schedules[PER_SHAPE * index : PER_SHAPE * (index + 1)], tables)
     have = ", ".join(f"{tiles[i]}x{tiles[i + 1]}" for i in range(0, len(tiles), 2)) or "none"
     raise ValueError(
         f"the mask has no plan for {block_m}x{block_n} tiles, which this kernel runs at this sequence length "
@@ -141,9 +145,9 @@ def schedules_for(schedules: list[torch.Tensor], tiles: list[int], tables: Token
 
 
 def _check_lists(schedules: list[torch.Tensor], tiles: list[int]) -> None:
-    if len(schedules) != 2 * len(tiles) or not tiles:
+    if len(schedules) != PER_SHAPE * (len(tiles) // 2) or len(tiles) % 2 or not tiles:
         raise ValueError(f"omnigen::attention: {len(schedules)} schedule tensors for {len(tiles) // 2} tile shapes "
-                         "(four per shape: fwd_ptr, fwd_kv, bwd_ptr, bwd_q)")
+                         f"({PER_SHAPE} per shape: {', '.join(SCHEDULE_TENSORS)})")
 
 
 @torch.library.custom_op("omnigen::attention", mutates_args=())

@@ -15,6 +15,11 @@ plan's `num_tiles` are used -- so
 On a CUDA device with Triton and at most `CAPACITY_LIMIT` tiles per schedule, making the mask does
 not synchronise either (the planner's totals stay on the GPU until `mask.plan(...)` asks for them).
 Above that limit the schedules are exact (their sizes then depend on the layout).
+
+Per tile shape a mask also holds partial tiles' masks as bits (`plan.bits`: slot starts per q-tile row and the
+bits of up to a capacity of partial tiles), which the sm90 forward reads instead of evaluating the rules. Their
+capacity is `partial_bits` ("auto": a few tiles per q-tile row, O(S); "all"; a number; "none"), fixed by B, S and
+the tile shape; a mask made from exact plans (a call with a plain layout) holds every partial tile's.
 """
 
 from __future__ import annotations
@@ -25,13 +30,19 @@ import torch
 
 from ..layout import AnyLayout, Layout, LayoutBatch, LayoutTables, as_layout
 from ..rules import Rules
-from . import host
+from . import bits, host
 from .planners import _check_block, _gpu_planner
 from .schedule import Plan
 
 # Schedules of at most this many tiles are kept at full capacity (16 MiB per int32 buffer), as the
 # GPU planner's inline buffers are (plan.gpu.INLINE_TILE_LIMIT).
 CAPACITY_LIMIT = 1 << 22
+# The tensors a mask holds per tile shape, in this order (the op's `schedules` list: six per shape).
+SCHEDULE_TENSORS = ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q", "partial_slot", "partial_bits")
+PER_SHAPE = len(SCHEDULE_TENSORS)
+# A mask made from exact plans holds bits for every partial tile up to this many bytes per tile shape (1 bit per
+# pair: 256 MiB is a 46K-token layout whose every tile is partial); the tiles past it are evaluated by the kernel.
+EXACT_BITS_LIMIT = 1 << 28
 
 
 class Mask:
@@ -39,9 +50,9 @@ class Mask:
     layout is (`kernel(q, k, v, mask)`, `omnigen.attention(q, k, v, mask)`, `omnigen.plan(rules, mask)`).
 
     Attributes a call reads (plain attributes, so `torch.compile` traces them as graph inputs):
-    `token_segment`, `token_modality`, `token_doc` (int32 [B, S]); `schedules`, four tensors per tile
-    shape (fwd_ptr, fwd_kv, bwd_ptr, bwd_q); `tile_shapes`, (block_m, block_n) per tile shape
-    flattened; `rules_key`, the rules' identity (`Rules.key`).
+    `token_segment`, `token_modality`, `token_doc` (int32 [B, S]); `schedules`, six tensors per tile
+    shape (SCHEDULE_TENSORS: fwd_ptr, fwd_kv, bwd_ptr, bwd_q, then the partial tiles' slot starts and bits);
+    `tile_shapes`, (block_m, block_n) per tile shape flattened; `rules_key`, the rules' identity (`Rules.key`).
     """
 
     def __init__(self, rules: Rules, layout: AnyLayout, tables: LayoutTables,
@@ -59,8 +70,8 @@ class Mask:
         self.token_segment = tables.token_segment.clone()
         self.token_modality = tables.token_modality.contiguous()
         self.token_doc = tables.token_doc.contiguous()
-        self._entries = entries  # (block_m, block_n) -> (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, totals or Plan)
-        self.schedules: list[torch.Tensor] = [t for entry in entries.values() for t in entry[:4]]
+        self._entries = entries  # (block_m, block_n) -> (the SCHEDULE_TENSORS..., totals or Plan)
+        self.schedules: list[torch.Tensor] = [t for entry in entries.values() for t in entry[:PER_SHAPE]]
         self.tile_shapes: tuple[int, ...] = tuple(x for shape in entries for x in shape)
 
     # -- what it holds ---------------------------------------------------------------------------
@@ -78,15 +89,16 @@ class Mask:
         entry = self._entries.get((block_m, block_n))
         if entry is None:
             raise ValueError(f"this mask has no plan for {block_m}x{block_n} tiles (it has {self._tile_text()})")
-        last = entry[4]
+        last = entry[PER_SHAPE]
         if isinstance(last, Plan):
             return last
-        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, totals = entry
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q = entry[:4]
+        totals = last
         total, pairs = (int(x) for x in totals.tolist())
         made = Plan(block_m=block_m, block_n=block_n, batch_size=self.batch_size, seq_len=self.seq_len,
                     batched=self.batched, fwd_ptr=fwd_ptr, fwd_kv=fwd_kv[:total], bwd_ptr=bwd_ptr,
                     bwd_q=bwd_q[:total], pair_count=pairs, tables=self.tables, rules_hash=self.rules.mask_hash())
-        self._entries[(block_m, block_n)] = entry[:4] + (made,)
+        self._entries[(block_m, block_n)] = entry[:PER_SHAPE] + (made,)
         return made
 
     @property
@@ -118,13 +130,14 @@ class Mask:
         mine = [self.token_segment, self.token_modality, self.token_doc, *self.schedules]
         theirs = [other.token_segment, other.token_modality, other.token_doc, *other.schedules]
         if not problems and any(a.shape != b.shape for a, b in zip(mine, theirs)):
-            problems.append("schedules of another size (masks above CAPACITY_LIMIT tiles are exact-sized)")
+            problems.append("schedules or partial-tile bits of another size (masks above CAPACITY_LIMIT tiles, and masks "
+                        "from plain layouts, are exact-sized; omnigen.mask's partial_bits must match)")
         if problems:
             raise ValueError("mask.copy_: the masks differ: " + "; ".join(problems))
         for a, b in zip(mine, theirs):
             a.copy_(b, non_blocking=True)
         self.layout, self.tables = other.layout, other.tables
-        self._entries = {shape: self._entries[shape][:4] + (_copied_totals(other._entries[shape][4]),)
+        self._entries = {shape: self._entries[shape][:PER_SHAPE] + (_copied_totals(other._entries[shape][PER_SHAPE]),)
                          for shape in self._entries}
         return self
 
@@ -153,11 +166,13 @@ def _capacity(tensor: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def make_mask(rules: Rules, layout: AnyLayout | str, tiles: Iterable[tuple[int, int]],
-              device: torch.device | str | None = None, batch: int | None = None) -> Mask:
+              device: torch.device | str | None = None, batch: int | None = None,
+              partial_bits: int | str = "auto") -> Mask:
     """Plan `layout` for every (block_m, block_n) in `tiles` on `device` and return the `Mask`.
 
     A single Layout with `batch` > 1 is repeated over the batch (a kernel call indexes the tables by
-    batch element)."""
+    batch element). `partial_bits`: how many partial tiles per shape get their mask as bits (`bits.capacity_for`:
+    "auto", "all", "none" or a number); the rest are evaluated by the kernel."""
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     layout = as_layout(layout)
@@ -173,6 +188,7 @@ def make_mask(rules: Rules, layout: AnyLayout | str, tiles: Iterable[tuple[int, 
     shapes = list(dict.fromkeys((_check_block(m, "block_m"), _check_block(n, "block_n")) for m, n in tiles))
     if not shapes:
         raise ValueError("a mask needs at least one tile shape")
+    bits.capacity_for(partial_bits, 1, 1, 1, 1)  # a bad choice raises before any planning
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -197,12 +213,30 @@ def make_mask(rules: Rules, layout: AnyLayout | str, tiles: Iterable[tuple[int, 
             fwd_kv, bwd_q = _capacity(fwd_kv, capacity), _capacity(bwd_q, capacity)
         else:
             fixed = False
-        entries[(block_m, block_n)] = (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, last)
+        slots = bits.capacity_for(partial_bits, B, S, block_m, block_n) if _reads_bits(device) else 0
+        slot_starts, slot_bits = bits.partial_bits(rules, tables, fwd_ptr, fwd_kv, block_m, block_n, slots)
+        entries[(block_m, block_n)] = (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, slot_starts, slot_bits, last)
     return Mask(rules, layout, tables, entries, device, fixed)
 
 
 def mask_from_plans(rules: Rules, layout: AnyLayout, plans: Iterable[Plan]) -> Mask:
     """A Mask around plans already made (the eager path of a call with a plain layout): exact schedules."""
     plans = list(plans)
-    entries = {(p.block_m, p.block_n): (p.fwd_ptr, p.fwd_kv, p.bwd_ptr, p.bwd_q, p) for p in plans}
+    entries = {(p.block_m, p.block_n): (p.fwd_ptr, p.fwd_kv, p.bwd_ptr, p.bwd_q, *_exact_bits(rules, p), p)
+               for p in plans}
     return Mask(rules, layout, plans[0].tables, entries, plans[0].device, fixed=False)
+
+
+def _reads_bits(device: torch.device) -> bool:
+    """Whether a kernel on `device` reads partial tiles' bits: the sm90 family's forward (compute capability 9.x).
+    Elsewhere a mask holds none (capacity 0), which costs nothing."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _exact_bits(rules: Rules, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bits for every partial tile of an exact plan, up to EXACT_BITS_LIMIT bytes (the rest are evaluated)."""
+    slots = 0
+    if _reads_bits(p.device):
+        most = EXACT_BITS_LIMIT // (4 * bits.slot_words(p.block_m, p.block_n))
+        slots = min(p.counts()["partial"], most)
+    return bits.partial_bits(rules, p.tables, p.fwd_ptr, p.fwd_kv, p.block_m, p.block_n, slots)

@@ -46,6 +46,7 @@ class Sm80Family(KernelFamily):
             "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
             "grouped_heads": False,  # GQA: dK/dV partials per query head (the sm90 family's may sum them itself)
             "persistent": False,  # the forward: one CTA per tile (the sm90 family's may loop over tiles)
+            "partial_bits": False,  # partial tiles: the rules evaluated in the kernel (the sm90 forward reads bits)
             "backward_problem": problem,
             "step_rows": r.BACKWARD_STEP_ROWS,
             "bwd_warps": r.backward_warps,

@@ -113,6 +113,7 @@ class Sm90Family(KernelFamily):
             "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,
             "persistent": resources.PERSISTENT,
+            "partial_bits": resources.PARTIAL_BITS,
             "tables_always_shared": resources.TABLES_ALWAYS_SHARED,
             "store_by_tma": resources.STORE_BY_TMA,
         })

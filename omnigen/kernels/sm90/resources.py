@@ -95,6 +95,10 @@ TABLES_ALWAYS_SHARED = True
 # Transfusion 8K +4%, 16K-32K within 1%): a grid CTA waits for its stores before it exits either way, and the
 # persistent grid, on by default, does not use it. Off.
 STORE_BY_TMA = False
+# The forward's partial kv-tiles read their mask as bits made once per layout (omnigen.plan.bits: two words per
+# thread and step) where the mask holds them, instead of evaluating the rules on every head (kPartialBits); tiles
+# past the mask's capacity still evaluate the rules. Built, not yet measured.
+PARTIAL_BITS = True
 
 
 def default_tile(head_dim: int) -> TileConfig:
