@@ -55,8 +55,9 @@ def main() -> None:
     print()
     print(bench.table(result))
     for c in costs:
-        print(f"tile cost, D={c['D']} S={c['S']}: partial / full = {c['partial_over_full_fwd']} forward, "
-              f"{c['partial_over_full_fwd_bwd']} forward+backward")
+        print(f"tile cost, D={c['D']} S={c['S']}: partial / full = {c['partial_bits_over_full_fwd']} forward, "
+              f"{c['partial_bits_over_full_fwd_bwd']} forward+backward with the tiles' bits made once per layout; "
+              f"{c['partial_over_full_fwd']} / {c['partial_over_full_fwd_bwd']} evaluated in the kernel")
     if args.json:
         data = json.loads(result.to_json())
         data["tile_cost"] = costs
