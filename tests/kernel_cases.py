@@ -42,3 +42,23 @@ def renamed(rules: omnigen.Rules, suffix: str) -> omnigen.Rules:
     """The rules under a name of their own: a module's name does not say which switches were on, and a process
     loads one module per name."""
     return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{suffix}"})
+
+
+class PlanWithBits:
+    """A plan with its partial tiles' masks as bits for both schedules (omnigen.plan.bits), as a Mask's schedules
+    hand them to the launchers: for every partial tile ("all") or the first half of them ("half": the rest are
+    evaluated in the same launch, as when a mask's capacity runs out)."""
+
+    def __init__(self, rules: omnigen.Rules, plan, bits: str) -> None:
+        from omnigen.plan.bits import partial_bits
+
+        self._plan = plan
+        partial = plan.counts()["partial"]
+        capacity = partial if bits == "all" else partial // 2
+        m, n = plan.block_m, plan.block_n
+        self.partial_slot, self.partial_bits = partial_bits(rules, plan.tables, plan.fwd_ptr, plan.fwd_kv, m, n, capacity)
+        self.partial_slot_bwd, self.partial_bits_bwd = partial_bits(rules, plan.tables, plan.bwd_ptr, plan.bwd_q, m, n,
+                                                                    capacity, transposed=True)
+
+    def __getattr__(self, name: str):
+        return getattr(self._plan, name)

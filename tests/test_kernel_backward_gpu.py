@@ -41,7 +41,7 @@ from omnigen.jit.toolchain import kernel_log, visible_gpu_arch
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION, renamed, switched  # shared with the other kernel test file
+from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, renamed, switched  # shared with the other kernel test file
 ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 SHORT_SEGMENTS = " ".join(
@@ -181,7 +181,8 @@ def _max_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours.double() - reference).abs().max()) if reference.numel() else 0.0
 
 
-def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None, family="sm80"):
+def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None, family="sm80",
+                bits=None):
     module = _module(rules, head_dim, dtype, tile, family)
     assert module.HAS_BACKWARD and module.BACKWARD_PROBLEM is None
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
@@ -190,6 +191,8 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
     q, k, v, d_o = _inputs(B, Hq, Hkv, S, head_dim, DTYPES[dtype], strided)
     scale = 1.0 / math.sqrt(head_dim)
     plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    if bits is not None:  # both kernels read the partial tiles' bits (PlanWithBits)
+        plan = PlanWithBits(rules, plan, bits)
     o, lse = run_forward(module, plan, q, k, v, scale)
     delta = run_delta(module, o, d_o)
     torch.cuda.synchronize()
@@ -220,7 +223,7 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
         report.append(f"{label} {error:.2e} (torch {torch_error:.2e}, max {float(reference.abs().max()):.1f})")
         assert error <= 2 * torch_error + floor, (
             f"{name} d{head_dim} {dtype}: {label} error {error:.3e} > 2 x torch's {torch_error:.3e} + {floor:.2e}")
-    mode = "deterministic" if deterministic else "atomic"
+    mode = ("deterministic" if deterministic else "atomic") + (f", bits for {bits}" if bits else "")
     print(f"{name} d{head_dim} {dtype} {family} {module.CONFIG['block_m']}x{module.CONFIG['block_n']} {mode}: " + ", ".join(report))
     return dq, dk, dv
 
@@ -405,6 +408,43 @@ def test_sm90_grouped_gqa_backward(case, head_dim, dtype, mode):
                             deterministic=mode == "ordered", name=name, family="sm90")
         if mode == "ordered":
             _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
+
+
+# ---- the sm90 backward reading its partial steps' masks as bits (omnigen.plan.bits, transposed tiles): for half of
+# the partial tiles (the rest evaluated in the same launch) and for all; atomic and deterministic (ordered) dQ, GQA
+# groups summed in the kernel, and d256's split columns.
+
+
+@pytest.mark.parametrize("bits", ["half", "all"])
+@pytest.mark.parametrize("mode,head_dim,dtype", [("atomic", 64, "bf16"), ("atomic", 128, "bf16"), ("atomic", 128, "fp16"),
+                                                 ("deterministic", 128, "bf16"), ("atomic", 256, "bf16")],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_backward_reads_partial_bits(built_variants, case, mode, head_dim, dtype, bits):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
+        pytest.skip("the mixed rules on one variant only")
+    module = _module(rules, head_dim, dtype, family="sm90")
+    assert module.PARTIAL_BITS
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
+                deterministic=mode == "deterministic", name=name, family="sm90", bits=bits)
+
+
+@pytest.mark.parametrize("bits", ["half", "all"])
+@pytest.mark.parametrize("case", GQA_CASES, ids=[c[0] for c in GQA_CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_grouped_gqa_backward_reads_partial_bits(case, bits):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    named = renamed(rules, "grouped_atomic")
+    with switched(GQA_IN_KERNEL=True, ORDERED_DQ=False, SPLIT_COLUMNS=False):
+        _module(named, 128, "bf16", family="sm90")
+        _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=False,
+                    name=name, family="sm90", bits=bits)
 
 
 # ---- atomic-order dQ through the writer warp (resources.DQ_WRITER_WARP, on since 2026-11-23): the

@@ -16,7 +16,6 @@ The sm90 forward's persistent scheduling (resources.PERSISTENT) has its own test
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ import torch
 import omnigen
 from omnigen.jit import cache
 from omnigen.kernels.launch import launch_forward
-from omnigen.plan.bits import partial_bits
 from omnigen.tune.timing import median_ms
 from omnigen.jit.toolchain import visible_gpu_arch
 from omnigen.kernels import FAMILIES
@@ -36,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION, renamed, switched  # shared with the other kernel test file
+from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, renamed, switched  # shared with the other kernel test file
 
 SHORT_SEGMENTS = " ".join(
     [f"{'text' if i % 2 == 0 else 'image'}:{2 + (5 * i) % 6}" for i in range(120)]
@@ -100,12 +98,7 @@ def run_forward(module, rules, layout, q, k, v, scale=None, bits: str | None = N
     B, Hq, S, D = q.shape
     plan = omnigen.plan(rules, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
     if bits is not None:
-        partial = plan.counts()["partial"]
-        capacity = partial if bits == "all" else partial // 2
-        slot, words = partial_bits(rules, plan.tables, plan.fwd_ptr, plan.fwd_kv, plan.block_m, plan.block_n, capacity)
-        # What a Mask's schedules hand the launcher: the plan's tensors and the bits.
-        plan = SimpleNamespace(fwd_ptr=plan.fwd_ptr, fwd_kv=plan.fwd_kv, tables=plan.tables, partial_slot=slot,
-                               partial_bits=words)
+        plan = PlanWithBits(rules, plan, bits)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, S), float("nan"), device=q.device, dtype=torch.float32)
     launch_forward(module, plan, q, k, v, o, lse, 1.0 / math.sqrt(D) if scale is None else scale)

@@ -67,6 +67,10 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
         extra = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
     if grouped_dkdv(module, Hq, k.shape[1], deterministic):
         extra["dkdv_per_kv_head"] = True
+    bits = getattr(p, "partial_bits_bwd", None)  # a Mask's schedules hold them; a bare Plan does not
+    if bits is not None and bits.numel() > 0 and getattr(module, "PARTIAL_BITS", False):
+        extra.update(partial_slot=p.partial_slot_bwd.data_ptr(), partial_bits=bits.data_ptr(),
+                     partial_bits_words=bits.numel())
     module.backward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
         delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),

@@ -9,8 +9,8 @@ as one node (it never traces the launch code, which reads raw pointers and the C
     omnigen::attention_backward(d_out, q, k, v, out, lse, schedules, tiles, token_segment,
                                 token_modality, token_doc, kernel, scale, deterministic) -> (dq, dk, dv)
 
-- `schedules`: a mask's schedules, six int32 tensors per tile shape (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, and the
-  partial tiles' slot starts and bits, `omnigen.plan.bits`);
+- `schedules`: a mask's schedules, eight int32 tensors per tile shape (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, and the
+  partial tiles' slot starts and bits for both schedules, `omnigen.plan.bits`);
   `tiles`: their (block_m, block_n), flattened. The op runs the tile shapes its kernel picks for the
   sequence length (the tuned choice, or the default) and finds their schedules in the list.
 - `kernel`: which kernel, as a string: "kernel:<Kernel.key>" (a `Kernel` object of this process) or
@@ -102,6 +102,8 @@ class Schedules(NamedTuple):
     bwd_q: torch.Tensor
     partial_slot: torch.Tensor  # plan.bits: slot of each q-tile row's first partial entry
     partial_bits: torch.Tensor  # plan.bits: the partial tiles' masks, as many slots as it holds
+    partial_slot_bwd: torch.Tensor  # the same for the backward schedule (transposed tiles)
+    partial_bits_bwd: torch.Tensor
     tables: TokenTables
 
     @property

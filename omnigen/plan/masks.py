@@ -16,8 +16,9 @@ On a CUDA device with Triton and at most `CAPACITY_LIMIT` tiles per schedule, ma
 not synchronise either (the planner's totals stay on the GPU until `mask.plan(...)` asks for them).
 Above that limit the schedules are exact (their sizes then depend on the layout).
 
-Per tile shape a mask also holds partial tiles' masks as bits (`plan.bits`: slot starts per q-tile row and the
-bits of up to a capacity of partial tiles), which the sm90 forward reads instead of evaluating the rules. Their
+Per tile shape a mask also holds partial tiles' masks as bits (`plan.bits`: slot starts per schedule row and the
+bits of up to a capacity of partial tiles, for the forward schedule and the backward's), which the sm90 kernels
+read instead of evaluating the rules. Their
 capacity is `partial_bits` ("auto": a few tiles per q-tile row, O(S); "all"; a number; "none"), fixed by B, S and
 the tile shape; a mask made from exact plans (a call with a plain layout) holds every partial tile's.
 """
@@ -37,8 +38,10 @@ from .schedule import Plan
 # Schedules of at most this many tiles are kept at full capacity (16 MiB per int32 buffer), as the
 # GPU planner's inline buffers are (plan.gpu.INLINE_TILE_LIMIT).
 CAPACITY_LIMIT = 1 << 22
-# The tensors a mask holds per tile shape, in this order (the op's `schedules` list: six per shape).
-SCHEDULE_TENSORS = ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q", "partial_slot", "partial_bits")
+# The tensors a mask holds per tile shape, in this order (the op's `schedules` list: eight per shape): the plan's
+# schedules, then the partial tiles' bits (plan.bits) for the forward schedule and for the backward's.
+SCHEDULE_TENSORS = ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q", "partial_slot", "partial_bits", "partial_slot_bwd",
+                    "partial_bits_bwd")
 PER_SHAPE = len(SCHEDULE_TENSORS)
 # A mask made from exact plans holds bits for every partial tile up to this many bytes per tile shape (1 bit per
 # pair: 256 MiB is a 46K-token layout whose every tile is partial); the tiles past it are evaluated by the kernel.
@@ -50,8 +53,9 @@ class Mask:
     layout is (`kernel(q, k, v, mask)`, `omnigen.attention(q, k, v, mask)`, `omnigen.plan(rules, mask)`).
 
     Attributes a call reads (plain attributes, so `torch.compile` traces them as graph inputs):
-    `token_segment`, `token_modality`, `token_doc` (int32 [B, S]); `schedules`, six tensors per tile
-    shape (SCHEDULE_TENSORS: fwd_ptr, fwd_kv, bwd_ptr, bwd_q, then the partial tiles' slot starts and bits);
+    `token_segment`, `token_modality`, `token_doc` (int32 [B, S]); `schedules`, eight tensors per tile
+    shape (SCHEDULE_TENSORS: fwd_ptr, fwd_kv, bwd_ptr, bwd_q, then the partial tiles' slot starts and bits for
+    the forward and the backward);
     `tile_shapes`, (block_m, block_n) per tile shape flattened; `rules_key`, the rules' identity (`Rules.key`).
     """
 
@@ -214,8 +218,8 @@ def make_mask(rules: Rules, layout: AnyLayout | str, tiles: Iterable[tuple[int, 
         else:
             fixed = False
         slots = bits.capacity_for(partial_bits, B, S, block_m, block_n) if _reads_bits(device) else 0
-        slot_starts, slot_bits = bits.partial_bits(rules, tables, fwd_ptr, fwd_kv, block_m, block_n, slots)
-        entries[(block_m, block_n)] = (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, slot_starts, slot_bits, last)
+        made = _bits_both_ways(rules, tables, fwd_ptr, fwd_kv, bwd_ptr, bwd_q, block_m, block_n, slots)
+        entries[(block_m, block_n)] = (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, *made, last)
     return Mask(rules, layout, tables, entries, device, fixed)
 
 
@@ -233,10 +237,19 @@ def _reads_bits(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _exact_bits(rules: Rules, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bits for every partial tile of an exact plan, up to EXACT_BITS_LIMIT bytes (the rest are evaluated)."""
+def _bits_both_ways(rules: Rules, tables: LayoutTables, fwd_ptr, fwd_kv, bwd_ptr, bwd_q, block_m: int, block_n: int,
+                    slots: int) -> tuple[torch.Tensor, ...]:
+    """(partial_slot, partial_bits, partial_slot_bwd, partial_bits_bwd): `slots` partial tiles of each schedule."""
+    forward = bits.partial_bits(rules, tables, fwd_ptr, fwd_kv, block_m, block_n, slots)
+    backward = bits.partial_bits(rules, tables, bwd_ptr, bwd_q, block_m, block_n, slots, transposed=True)
+    return (*forward, *backward)
+
+
+def _exact_bits(rules: Rules, p: Plan) -> tuple[torch.Tensor, ...]:
+    """Bits for every partial tile of an exact plan, up to EXACT_BITS_LIMIT bytes per schedule (the rest are
+    evaluated)."""
     slots = 0
     if _reads_bits(p.device):
-        most = EXACT_BITS_LIMIT // (4 * bits.slot_words(p.block_m, p.block_n))
+        most = EXACT_BITS_LIMIT // (4 * max(bits.slot_words(p.block_m, p.block_n, t) for t in (False, True)))
         slots = min(p.counts()["partial"], most)
-    return bits.partial_bits(rules, p.tables, p.fwd_ptr, p.fwd_kv, p.block_m, p.block_n, slots)
+    return _bits_both_ways(rules, p.tables, p.fwd_ptr, p.fwd_kv, p.bwd_ptr, p.bwd_q, p.block_m, p.block_n, slots)

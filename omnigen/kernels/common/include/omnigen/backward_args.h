@@ -42,6 +42,11 @@ struct BackwardArgs {
   // Query heads whose dK/dV one CTA sums: 1 (dk/dv per query head, as above), or heads_q / heads_kv in modules
   // with GQA_IN_KERNEL, when dk/dv are the real [batch, heads_kv, seq_len, head_dim] of the element type.
   int dkdv_group;
+  // The Hopper backward's partial steps: the mask's bits of the backward schedule (omnigen.plan.bits, transposed
+  // tiles), the slot of each kv-tile column's first partial entry [batch * num_kv_tiles + 1]. 0 slots: none.
+  const int32_t* partial_slot;
+  const uint32_t* partial_bits;
+  int partial_slots;
 };
 
 // rowsum(dO * O) per query row, the Delta the backward reads.
