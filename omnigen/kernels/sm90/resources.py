@@ -95,11 +95,12 @@ TABLES_ALWAYS_SHARED = True
 # Transfusion 8K +4%, 16K-32K within 1%): a grid CTA waits for its stores before it exits either way, and the
 # persistent grid, on by default, does not use it. Off.
 STORE_BY_TMA = False
-# The forward's partial kv-tiles read their mask as bits made once per layout (omnigen.plan.bits: two words per
-# thread and step) where the mask holds them, instead of evaluating the rules on every head (kPartialBits); tiles
-# past the mask's capacity still evaluate the rules. On the H200 (RESULTS.md, 2026-11-23): an all-partial layout
-# against an all-full one, d128 8K forward, 1.646 evaluated -> 1.161 with bits; Transfusion's forward (eager
-# calls: bits for every partial tile) -1.3% at 8K and -1.7% at 32K (d128), within noise at d64.
+# Partial kv-tiles (forward) and partial steps (Hopper backward, the tile transposed) read their mask as bits made
+# once per layout (omnigen.plan.bits: two words per thread and step) where the mask holds them, instead of
+# evaluating the rules on every head (kPartialBits); tiles past the mask's capacity still evaluate the rules. On
+# the H200 (RESULTS.md, 2026-11-23): an all-partial layout against an all-full one, d128 8K, forward 1.646 -> 1.161
+# (1.155 in the next run), fwd+bwd 1.270 -> 1.058; Transfusion's forward (eager calls: bits for every partial
+# tile) -1.3% at 8K and -1.7% at 32K (d128), its backward within run-to-run noise (partial steps are ~4%).
 PARTIAL_BITS = True
 
 
