@@ -19,9 +19,9 @@ keeps, in row m, the columns c(t, v) = 8 (v // 2) + 2 t + v % 2 for v = 0 .. col
 v // 32 is that column's. Words are stored as [slot][word][row m][t] (int32), so the 32 lanes of a warp read 128
 contiguous bytes per row half and word. Columns at or past the sequence's end are 0.
 
-`partial_bits` makes them on the device of the schedules: a Triton kernel on CUDA (one program per slot; slots
-past the plan's partial total return at once), else `partial_bits_reference`, the same in torch (the CPU path and
-the tests' oracle).
+`partial_bits` makes them on the device of the schedules: on CUDA two Triton launches (the slot starts, by one
+program; then one program per slot, which finds its row by bisection and writes zeros past the plan's partial
+entries), else `partial_bits_reference`, the same in torch (the CPU path and the tests' oracle).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..semantics import pair_predicate, rule_tensors
-from .launch import tl, triton
+from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton
 
 # What `omnigen.mask` reserves by default: bits for this many partial tiles per q-tile row of the batch (O(S)
 # memory: 2 KB a slot at 128 x 128 tiles, so 8 KB per 128 query rows). A Transfusion layout has 1.3-1.5 partial
@@ -145,29 +145,62 @@ def partial_bits(rules, tables, ptr: torch.Tensor, index: torch.Tensor, block_m:
     return _partial_bits_triton(rules, tables, ptr, index, block_m, block_n, capacity, transposed)
 
 
-# ---- the Triton kernel --------------------------------------------------------------------------------------
+# ---- the Triton kernels -------------------------------------------------------------------------------------
+# Two launches per schedule, both straight through the compiled kernel after the first (launch.Launcher): making
+# a mask is on a training step's path, and a dozen small torch operations per schedule had doubled its host time.
 
 if triton is not None:
 
-    @triton.jit
-    def _bits_kernel(slot_batch, slot_row, slot_column, segment, modality, document, see, causal, window, bits,
-                     S, n_mod, pad,
+    def _unspecialised(fn):
+        """triton.jit without value specialisation of the integers or alignment specialisation of the pointers:
+        one compiled kernel per constexpr set, which launch.Launcher relies on."""
+        names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+        plain = [name for name in names if fn.__annotations__.get(name) is not tl.constexpr]
+        try:
+            return triton.jit(fn, do_not_specialize=plain, do_not_specialize_on_alignment=plain)
+        except TypeError:  # pragma: no cover - older Triton
+            return triton.jit(fn, do_not_specialize=plain)
+
+    def _starts_kernel(ptr, starts, rows, BLOCK: tl.constexpr):
+        """One program: starts[0] = 0, starts[r + 1] = the partial entries of rows 0..r (slot_starts)."""
+        tl.store(starts, 0)
+        carry = tl.full((), 0, tl.int32)
+        for first in range(0, rows, BLOCK):
+            r = first + tl.arange(0, BLOCK)
+            inside = r < rows
+            counts = tl.load(ptr + 3 * r + 3, mask=inside, other=0) - tl.load(ptr + 3 * r + 2, mask=inside, other=0)
+            tl.store(starts + 1 + r, tl.cumsum(counts, 0) + carry, mask=inside)
+            carry += tl.sum(counts, 0)
+
+    def _bits_kernel(ptr, index, starts, segment, modality, document, see, causal, window, bits,
+                     rows, row_tiles, S, n_mod, pad,
                      ROWS: tl.constexpr, ROWS_P2: tl.constexpr, COLUMNS: tl.constexpr, WORDS: tl.constexpr,
-                     TRANSPOSED: tl.constexpr,
-                     ISOLATED: tl.constexpr, WINDOWS: tl.constexpr):
+                     TRANSPOSED: tl.constexpr, ISOLATED: tl.constexpr, WINDOWS: tl.constexpr):
+        """One program per slot: finds its schedule row r (starts[r] <= slot < starts[r + 1]) by bisection, its
+        entry and tiles, and writes the tile's words; a slot past the plan's partial entries gets zeros."""
         slot = tl.program_id(0)
-        b = tl.load(slot_batch + slot)
-        if b < 0:  # past the plan's partial tiles (the buffer was zeroed)
-            return
+        used = slot < tl.load(starts + rows)
+        lo = tl.full((), 0, tl.int32)
+        hi = tl.full((), 0, tl.int32) + rows
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            below = tl.load(starts + mid) <= slot
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        entry = tl.load(ptr + 3 * lo + 2) + slot - tl.load(starts + lo)
+        column_tile = tl.where(used, tl.load(index + tl.where(used, entry, 0)), 0)
+        b = tl.where(used, lo // row_tiles, 0)
+        row_tile = lo % row_tiles
         base = b.to(tl.int64) * S
-        rows = tl.arange(0, ROWS_P2)  # a power of two: rows past ROWS are neither evaluated nor stored
-        row_pos = (tl.load(slot_row + slot) * ROWS + rows)[:, None, None]  # [R, 1, 1]
+        rows_here = tl.arange(0, ROWS_P2)  # a power of two: rows past ROWS are neither evaluated nor stored
+        row_pos = (row_tile * ROWS + rows_here)[:, None, None]  # [R, 1, 1]
+        row_ok = (rows_here < ROWS)[:, None, None]
         t = tl.arange(0, 4)
         bit = tl.arange(0, 32)
         for w in tl.static_range(WORDS):
             v = 32 * w + bit
             column = 8 * (v // 2)[None, :] + 2 * t[:, None] + (v % 2)[None, :]  # [4, 32]
-            column_pos = (tl.load(slot_column + slot) * COLUMNS + column)[None, :, :]  # [1, 4, 32]
+            column_pos = (column_tile * COLUMNS + column)[None, :, :]  # [1, 4, 32]
             column_ok = (v < COLUMNS // 4)[None, None, :]
             if TRANSPOSED:
                 q = column_pos
@@ -175,7 +208,7 @@ if triton is not None:
             else:
                 q = row_pos
                 k = column_pos
-            inside = (q < S) & (k < S) & column_ok & (row_pos < (tl.load(slot_row + slot) + 1) * ROWS)
+            inside = (q < S) & (k < S) & column_ok & row_ok & used
             qc = tl.minimum(q, S - 1)
             kc = tl.minimum(k, S - 1)
             seg_q = tl.load(segment + base + qc)
@@ -192,8 +225,25 @@ if triton is not None:
                 wq = tl.load(window + mod_q)
                 ok = ok & ((wq == 0) | (q - k < wq))
             word = tl.sum(ok.to(tl.int32) << bit[None, None, :], axis=2)  # [R, 4]: distinct bits, so sum = or
-            out = bits + (slot.to(tl.int64) * WORDS + w) * (ROWS * 4) + rows[:, None] * 4 + t[None, :]
-            tl.store(out, word, mask=(rows < ROWS)[:, None])
+            out = bits + (slot.to(tl.int64) * WORDS + w) * (ROWS * 4) + rows_here[:, None] * 4 + t[None, :]
+            tl.store(out, word, mask=(rows_here < ROWS)[:, None])
+
+    _STARTS = Launcher(_unspecialised(_starts_kernel), ("BLOCK",))
+    _BITS = Launcher(_unspecialised(_bits_kernel),
+                     ("ROWS", "ROWS_P2", "COLUMNS", "WORDS", "TRANSPOSED", "ISOLATED", "WINDOWS"))
+
+_RULES_INT32: dict = {}
+
+
+def _rules_int32(rules, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rules' see / causal / window tables as int32 on `device` (cached: a mask is made per batch)."""
+    key = (rules, str(device))
+    cached = _RULES_INT32.get(key)
+    if cached is None:
+        rule_t = rule_tensors(rules, device)
+        cached = tuple(rule_t[name].to(torch.int32).contiguous() for name in ("see", "causal", "window"))
+        _RULES_INT32[key] = cached
+    return cached
 
 
 def _partial_bits_triton(rules, tables, ptr, index, block_m, block_n, capacity, transposed):
@@ -201,18 +251,17 @@ def _partial_bits_triton(rules, tables, ptr, index, block_m, block_n, capacity, 
     tile_rows, tile_columns, row_tiles = _shape(tables, block_m, block_n, transposed)
     rows = B * row_tiles
     device = ptr.device
-    starts = slot_starts(ptr, rows)
-    batch, row_tile, column_tile = slot_tiles(ptr, index, starts, rows, row_tiles, capacity)
-    bits = torch.zeros(capacity * slot_words(block_m, block_n, transposed), dtype=torch.int32, device=device)
-    rule_t = rule_tensors(rules, device)
-    see = rule_t["see"].to(torch.int32).contiguous()
-    causal = rule_t["causal"].to(torch.int32).contiguous()
-    window = rule_t["window"].to(torch.int32).contiguous()
-    _bits_kernel[(capacity,)](
-        batch.to(torch.int32), row_tile.to(torch.int32), column_tile.to(torch.int32),
-        tables.token_segment.contiguous(), tables.token_modality.contiguous(), tables.token_doc.contiguous(),
-        see, causal, window, bits, S, len(rules.modalities), rules.pad_id,
-        ROWS=tile_rows, ROWS_P2=1 << (tile_rows - 1).bit_length(), COLUMNS=tile_columns, WORDS=mask_words(tile_columns), TRANSPOSED=bool(transposed),
-        ISOLATED=bool(rules.isolated_documents), WINDOWS=bool(rules.has_windows), num_warps=4,
-    )
+    starts = torch.empty(rows + 1, dtype=torch.int32, device=device)
+    bits = torch.empty(capacity * slot_words(block_m, block_n, transposed), dtype=torch.int32, device=device)
+    see, causal, window = _rules_int32(rules, device)
+    direct = DIRECT_LAUNCH and B * S <= 2**31 - 1 and launch_hooks_idle()
+    _STARTS((1, 1, 1), (ptr, starts, rows), (1024,), 4, direct)
+    if index.numel() == 0:  # nothing visited: point at a live int32 (never read: every slot is unused)
+        index = starts
+    args = (ptr, index, starts, tables.token_segment.contiguous(), tables.token_modality.contiguous(),
+            tables.token_doc.contiguous(), see, causal, window, bits, rows, row_tiles, S, len(rules.modalities),
+            rules.pad_id)
+    constants = (tile_rows, 1 << (tile_rows - 1).bit_length(), tile_columns, mask_words(tile_columns),
+                 bool(transposed), bool(rules.isolated_documents), bool(rules.has_windows))
+    _BITS((capacity, 1, 1), args, constants, 4, direct)
     return starts, bits
