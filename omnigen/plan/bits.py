@@ -155,7 +155,8 @@ if triton is not None:
         """triton.jit without value specialisation of the integers or alignment specialisation of the pointers:
         one compiled kernel per constexpr set, which launch.Launcher relies on."""
         names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
-        plain = [name for name in names if fn.__annotations__.get(name) is not tl.constexpr]
+        # Annotations are strings here (postponed evaluation): a constexpr is any whose text ends so.
+        plain = [name for name in names if not str(fn.__annotations__.get(name, "")).endswith("constexpr")]
         try:
             return triton.jit(fn, do_not_specialize=plain, do_not_specialize_on_alignment=plain)
         except TypeError:  # pragma: no cover - older Triton
@@ -176,10 +177,17 @@ if triton is not None:
                      rows, row_tiles, S, n_mod, pad,
                      ROWS: tl.constexpr, ROWS_P2: tl.constexpr, COLUMNS: tl.constexpr, WORDS: tl.constexpr,
                      TRANSPOSED: tl.constexpr, ISOLATED: tl.constexpr, WINDOWS: tl.constexpr):
-        """One program per slot: finds its schedule row r (starts[r] <= slot < starts[r + 1]) by bisection, its
-        entry and tiles, and writes the tile's words; a slot past the plan's partial entries gets zeros."""
+        """One program per slot: a slot past the plan's partial entries writes zeros; the others find their schedule
+        row r (starts[r] <= slot < starts[r + 1]) by bisection, their entry and tiles, and write the tile's words."""
         slot = tl.program_id(0)
-        used = slot < tl.load(starts + rows)
+        rows_here = tl.arange(0, ROWS_P2)  # a power of two: rows past ROWS are neither evaluated nor stored
+        t = tl.arange(0, 4)
+        stored = (rows_here < ROWS)[:, None]
+        if slot >= tl.load(starts + rows):  # past the plan's partial entries: zeros, and no predicate to evaluate
+            for w in tl.static_range(WORDS):
+                out = bits + (slot.to(tl.int64) * WORDS + w) * (ROWS * 4) + rows_here[:, None] * 4 + t[None, :]
+                tl.store(out, tl.zeros((ROWS_P2, 4), tl.int32), mask=stored)
+            return
         lo = tl.full((), 0, tl.int32)
         hi = tl.full((), 0, tl.int32) + rows
         while hi - lo > 1:
@@ -187,15 +195,10 @@ if triton is not None:
             below = tl.load(starts + mid) <= slot
             lo = tl.where(below, mid, lo)
             hi = tl.where(below, hi, mid)
-        entry = tl.load(ptr + 3 * lo + 2) + slot - tl.load(starts + lo)
-        column_tile = tl.where(used, tl.load(index + tl.where(used, entry, 0)), 0)
-        b = tl.where(used, lo // row_tiles, 0)
-        row_tile = lo % row_tiles
-        base = b.to(tl.int64) * S
-        rows_here = tl.arange(0, ROWS_P2)  # a power of two: rows past ROWS are neither evaluated nor stored
-        row_pos = (row_tile * ROWS + rows_here)[:, None, None]  # [R, 1, 1]
+        column_tile = tl.load(index + tl.load(ptr + 3 * lo + 2) + slot - tl.load(starts + lo))
+        base = (lo // row_tiles).to(tl.int64) * S
+        row_pos = ((lo % row_tiles) * ROWS + rows_here)[:, None, None]  # [R, 1, 1]
         row_ok = (rows_here < ROWS)[:, None, None]
-        t = tl.arange(0, 4)
         bit = tl.arange(0, 32)
         for w in tl.static_range(WORDS):
             v = 32 * w + bit
@@ -208,7 +211,7 @@ if triton is not None:
             else:
                 q = row_pos
                 k = column_pos
-            inside = (q < S) & (k < S) & column_ok & row_ok & used
+            inside = (q < S) & (k < S) & column_ok & row_ok
             qc = tl.minimum(q, S - 1)
             kc = tl.minimum(k, S - 1)
             seg_q = tl.load(segment + base + qc)
@@ -226,7 +229,7 @@ if triton is not None:
                 ok = ok & ((wq == 0) | (q - k < wq))
             word = tl.sum(ok.to(tl.int32) << bit[None, None, :], axis=2)  # [R, 4]: distinct bits, so sum = or
             out = bits + (slot.to(tl.int64) * WORDS + w) * (ROWS * 4) + rows_here[:, None] * 4 + t[None, :]
-            tl.store(out, word, mask=(rows_here < ROWS)[:, None])
+            tl.store(out, word, mask=stored)
 
     _STARTS = Launcher(_unspecialised(_starts_kernel), ("BLOCK",))
     _BITS = Launcher(_unspecialised(_bits_kernel),
@@ -256,7 +259,7 @@ def _partial_bits_triton(rules, tables, ptr, index, block_m, block_n, capacity, 
     see, causal, window = _rules_int32(rules, device)
     direct = DIRECT_LAUNCH and B * S <= 2**31 - 1 and launch_hooks_idle()
     _STARTS((1, 1, 1), (ptr, starts, rows), (1024,), 4, direct)
-    if index.numel() == 0:  # nothing visited: point at a live int32 (never read: every slot is unused)
+    if index.numel() == 0:  # nothing visited: a live address in its place (every slot is unused, nothing reads it)
         index = starts
     args = (ptr, index, starts, tables.token_segment.contiguous(), tables.token_modality.contiguous(),
             tables.token_doc.contiguous(), see, causal, window, bits, rows, row_tiles, S, len(rules.modalities),
