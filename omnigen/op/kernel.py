@@ -373,10 +373,11 @@ def mask(
     that depends on the layout. `batch` repeats a single layout over a batch.
 
     `partial_bits`: how many partial tiles (per tile shape) get their mask precomputed as bits, which the Hopper
-    forward reads instead of evaluating the rules (1 bit per pair: 2 KB a 128 x 128 tile). "auto" (default):
-    4 per q-tile row of the batch, O(S) memory, more than Transfusion-style layouts use; "all": every tile
-    (B * S^2 / 8 bytes at most; for layouts of many short segments); a number; "none". Partial tiles past the
-    capacity are evaluated in the kernel, as they always are on other GPUs.
+    kernels read instead of evaluating the rules (1 bit per pair, for the forward's schedule and again for the
+    backward's: 2 x 2 KB a 128 x 128 tile). "auto" (default): 4 per q-tile row of the batch, O(S) memory, more
+    than Transfusion-style layouts use; "all": every tile (B * S^2 / 4 bytes at most; for layouts of many short
+    segments); a number; "none". Partial tiles past the capacity are evaluated in the kernel, as they always are
+    on other GPUs.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")

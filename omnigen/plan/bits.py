@@ -8,8 +8,9 @@ block_n keys) and, `transposed`, for the backward's (a kv-tile's block_n keys as
 columns: the layout of S^T in the backward's accumulators).
 
 Slots. Slot s holds the s-th partial entry of the schedule in schedule order (the forward's q-tile rows in order,
-each row's partial kv-tiles in order; the backward's kv-tile columns and their q-tiles). `slot_starts[r]` is the slot of row r's first partial entry (an exclusive
-prefix sum of the rows' partial counts; the last entry, `slot_starts[R]`, is the total). Entries whose slot is
+each row's partial kv-tiles in order; the backward's kv-tile columns and their q-tiles). `slot_starts[r]` is the
+slot of row r's first partial entry (an exclusive prefix sum of the rows' partial counts; the last entry,
+`slot_starts[R]`, is the total). Entries whose slot is
 `capacity` or more have no bits: the kernel evaluates the rules for them as before. The capacity is fixed by
 (B, S, tile shape) and the caller's choice (`capacity_for`), never by the layout, so a mask's tensors keep
 their shapes from layout to layout (CUDA graphs, torch.compile) and making one needs no host sync.
