@@ -198,6 +198,19 @@ def test_sm90_forward_reads_partial_bits(case, head_dim, dtype, bits):
     _check_forward(module, rules, case, head_dim, dtype, f"sm90 partial bits ({bits})", bits=bits)
 
 
+# ---- the sm90 forward with ping-pong on (resources.PINGPONG, off: no measured gain): the consumer warpgroups take
+# turns issuing their products (named barriers), on the persistent grid and on the grid of tiles, whose turn
+# hand-offs differ at the start and end of a tile.
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_sm90_forward_pingpong(case, head_dim, dtype, persistent):
+    _check_sm90_switched(case, head_dim, dtype, "pingpong_" + ("persistent" if persistent else "grid"),
+                         "sm90 ping-pong", PINGPONG=True, PERSISTENT=persistent)
+
+
 # ---- the sm90 forward with resources.TABLES_ALWAYS_SHARED off (on by default since 2026-11-23): partial tiles
 # whose key tables TMA can bring read them from shared memory, the others from global memory through a generic
 # pointer. The cases' odd lengths, unaligned batch offsets and last kv-tiles take the global-memory branch.

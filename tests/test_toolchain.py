@@ -36,12 +36,13 @@ SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(1
 
 def other_scheduling_variant() -> cache.Variant:
     """SM90A with the sm90 forward's non-default scheduling (resources.PERSISTENT flipped), so that both
-    compile; as a grid of tiles, with O by TMA store (resources.STORE_BY_TMA, a grid-only path). A module's name
-    does not say which it is: the rules get a name of their own."""
+    compile; as a grid of tiles, with O by TMA store (resources.STORE_BY_TMA, a grid-only path) and ping-pong
+    (resources.PINGPONG; the ordered variant below has it on the persistent grid). A module's name does not say
+    which it is: the rules get a name of their own."""
     from omnigen.kernels.sm90 import resources
 
     flipped = not resources.PERSISTENT
-    with switched(PERSISTENT=flipped, STORE_BY_TMA=not flipped):
+    with switched(PERSISTENT=flipped, STORE_BY_TMA=not flipped, PINGPONG=True):
         return cache.variant(renamed(RULES, "persistent" if flipped else "grid_store_by_tma"), SM90A)
 
 
@@ -178,7 +179,7 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL"), ORDERED)]
+                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL", "PINGPONG"), ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
