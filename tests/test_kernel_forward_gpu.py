@@ -166,7 +166,8 @@ def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str
     assert lse_error <= 1e-3, f"lse error {lse_error:.3e}"
 
 
-def _check_sm90_switched(case, head_dim: int, dtype: str, suffix: str, label: str, **switches) -> None:
+def _check_sm90_switched(case, head_dim: int, dtype: str, suffix: str, label: str, bits: str | None = None,
+                         **switches) -> None:
     """_check_forward on an sm90 module built with resources switches set (its rules renamed: a module's name
     does not say which switches were on)."""
     if "sm90" not in FAMILY_NAMES:
@@ -177,7 +178,7 @@ def _check_sm90_switched(case, head_dim: int, dtype: str, suffix: str, label: st
     named = renamed(rules, suffix)
     with switched(**switches):
         module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
-    _check_forward(module, named, case, head_dim, dtype, label)
+    _check_forward(module, named, case, head_dim, dtype, label, bits=bits)
 
 
 # ---- the sm90 forward reading partial tiles' masks as bits (omnigen.plan.bits, resources.PARTIAL_BITS): for half of
@@ -209,6 +210,32 @@ def test_sm90_forward_reads_partial_bits(case, head_dim, dtype, bits):
 def test_sm90_forward_pingpong(case, head_dim, dtype, persistent):
     _check_sm90_switched(case, head_dim, dtype, "pingpong_" + ("persistent" if persistent else "grid"),
                          "sm90 ping-pong", PINGPONG=True, PERSISTENT=persistent)
+
+
+# ---- GQA packing (resources.GQA_PACK, off: it moves the same K/V bytes per row as 128-row tiles of one head): two
+# query heads of one kv head per work tile, one per consumer warpgroup, on both grids; partial tiles evaluated and
+# from bits (whose rows the packed tile indexes by its half of the q-tile).
+
+GQA_EVEN = [c for c in CASES if c[3] != c[4] and (c[3] // c[4]) % 2 == 0]
+
+
+@pytest.mark.parametrize("bits", [None, "all"], ids=["evaluated", "bits"])
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
+@pytest.mark.parametrize("case", GQA_EVEN, ids=[c[0] for c in GQA_EVEN])
+def test_sm90_forward_gqa_pack(case, head_dim, dtype, persistent, bits):
+    _check_sm90_switched(case, head_dim, dtype, "gqa_pack_" + ("persistent" if persistent else "grid"),
+                         "sm90 GQA packed", bits=bits, GQA_PACK=True, PERSISTENT=persistent)
+
+
+def test_sm90_forward_gqa_pack_says_it_needs_even_groups():
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    with switched(GQA_PACK=True, PERSISTENT=True):
+        module = cache.get_module(renamed(TRANSFUSION, "gqa_pack_persistent"), _config(128, "bf16", "sm90"))
+    q, k, v = _inputs(1, 2, 2, 300, 128, torch.bfloat16, strided=False)
+    with pytest.raises(RuntimeError, match="heads_q / heads_kv must be even, got 2 / 2"):
+        run_forward(module, TRANSFUSION, omnigen.Layout.parse("text:100 image:200"), q, k, v)
 
 
 # ---- the sm90 forward with resources.TABLES_ALWAYS_SHARED off (on by default since 2026-11-23): partial tiles

@@ -179,7 +179,7 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL", "PINGPONG"), ORDERED)]
+                    switched_on_variant(("SPLIT_COLUMNS",), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL", "PINGPONG", "GQA_PACK"), ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:

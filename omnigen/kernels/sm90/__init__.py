@@ -114,6 +114,7 @@ class Sm90Family(KernelFamily):
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,
             "persistent": resources.PERSISTENT,
             "partial_bits": resources.PARTIAL_BITS,
+            "gqa_pack": resources.GQA_PACK,
             "tables_always_shared": resources.TABLES_ALWAYS_SHARED,
             "store_by_tma": resources.STORE_BY_TMA,
         })

@@ -95,6 +95,11 @@ TABLES_ALWAYS_SHARED = True
 # Transfusion 8K +4%, 16K-32K within 1%): a grid CTA waits for its stores before it exits either way, and the
 # persistent grid, on by default, does not use it. Off.
 STORE_BY_TMA = False
+# GQA packing in the forward (kPackHeads): a work tile is two query heads of one kv head over the same 64 query rows,
+# one per consumer warpgroup, sharing the K/V ring. At 128-row tiles it loads the same K/V bytes per (row, head) as
+# one head over 128 rows (and as many work tiles), so it is expected to win only where a head has fewer query
+# rows than a tile. Needs heads_q / heads_kv even. Built to measure that; off.
+GQA_PACK = False
 # Partial kv-tiles (forward) and partial steps (Hopper backward, the tile transposed) read their mask as bits made
 # once per layout (omnigen.plan.bits: two words per thread and step) where the mask holds them, instead of
 # evaluating the rules on every head (kPartialBits); tiles past the mask's capacity still evaluate the rules. On
