@@ -98,7 +98,8 @@ STORE_BY_TMA = False
 # GQA packing in the forward (kPackHeads): a work tile is two query heads of one kv head over the same 64 query rows,
 # one per consumer warpgroup, sharing the K/V ring. At 128-row tiles it loads the same K/V bytes per (row, head) as
 # one head over 128 rows (and as many work tiles), so it is expected to win only where a head has fewer query
-# rows than a tile. Needs heads_q / heads_kv even. Built to measure that; off.
+# rows than a tile. Needs heads_q / heads_kv even. On the H200 (RESULTS.md, 2026-11-23), GQA 16/4 Transfusion
+# forward: within the spread at 8K-32K, 3-10% slower at 1K (d64, d128). Off.
 GQA_PACK = False
 # Partial kv-tiles (forward) and partial steps (Hopper backward, the tile transposed) read their mask as bits made
 # once per layout (omnigen.plan.bits: two words per thread and step) where the mask holds them, instead of
