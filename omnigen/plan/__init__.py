@@ -3,7 +3,8 @@
 `host` is the numpy planner (every machine), `gpu` the fused Triton one (a CUDA device with
 Triton; identical results), `launch` the thin path that launches Triton's compiled kernels with
 less host overhead, `schedule` the `Plan` they both return, `masks` the `Mask` (one layout planned
-for several tile shapes in fixed-size tensors: what a call reads without a host sync).
+for several tile shapes in fixed-size tensors: what a call reads without a host sync), `bits` the partial
+tiles' masks as bits that a mask carries for the Hopper kernels.
 """
 
 from __future__ import annotations
