@@ -143,7 +143,8 @@ def partial_bits(rules, tables, ptr: torch.Tensor, index: torch.Tensor, block_m:
     forward schedule or (`transposed`) the backward's; no host sync."""
     if ptr.device.type != "cuda" or triton is None or capacity == 0:
         return partial_bits_reference(rules, tables, ptr, index, block_m, block_n, capacity, transposed)
-    return _partial_bits_triton(rules, tables, ptr, index, block_m, block_n, capacity, transposed)
+    with torch.cuda.device(ptr.device):  # Triton launches on the current device
+        return _partial_bits_triton(rules, tables, ptr, index, block_m, block_n, capacity, transposed)
 
 
 # ---- the Triton kernels -------------------------------------------------------------------------------------
