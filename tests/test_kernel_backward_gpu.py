@@ -372,6 +372,22 @@ def test_sm90_ordered_dq_in_sections(case):
         _same_bits_again(module, named, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_atomic_backward_in_sections(case):
+    """Atomic order's grid in sections of 3 (head, batch) pairs (resources.ATOMIC_SECTION_PAIRS; these cases have 4
+    and 8 pairs, so the last section is short), kv-tiles slowest inside each: against float64."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    named = renamed(rules, "atomic_sections")
+    with switched(ATOMIC_SECTION_PAIRS=3):
+        _module(named, 128, "bf16", family="sm90")
+        _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=False,
+                    name=name, family="sm90")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_ordered_dq_speed_report():

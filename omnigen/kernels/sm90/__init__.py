@@ -104,6 +104,7 @@ class Sm90Family(KernelFamily):
             "hopper_split_columns": r.hopper_split_columns,
             "ordered_dq": r.hopper_ordered_dq,
             "ordered_section_pairs": r.ordered_section_pairs,
+            "atomic_section_pairs": r.atomic_section_pairs,
             "dq_writer": r.hopper_dq_writer,
             "grouped_heads": r.hopper_grouped_heads,
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),

@@ -53,6 +53,11 @@ ORDERED_DQ = True
 # deterministic over atomic (H200, 2026-11-23), Transfusion 8K / 32K: 16 pairs +11.4% / +6.0%, 32 pairs +6.1% /
 # +5.0%, 64 pairs +17.7% / +6.9%; causal rules 16 pairs +11.5% / +6.1%, 32 pairs +6.7% / +5.2%.
 ORDERED_SECTION_PAIRS = 16
+# Atomic order's grid in sections too (0: the 3-D grid, kv-tiles fastest, one (head, batch) pair after another):
+# this many pairs at head dim 128 (scaled as ORDERED_SECTION_PAIRS), kv-tiles slowest inside a section, so that the
+# section's longest columns (the low kv-tiles, under causal masks) start first and its last CTAs are short ones.
+# Before, the last pair's kv-tile 0 (128 steps at 8K: ~6% of the kernel) was among the last CTAs launched.
+ATOMIC_SECTION_PAIRS = 0
 # Atomic-order dQ through a writer warp (kDqWriter): the consumer warps stage each step's dQ rows and go on; warp
 # 1 of the producer warpgroup issues the TMA reduce-adds and waits until they have read the boxes, as in the
 # ordered mode minus its counter. Before, every consumer warp's lane 0 issued its own two reductions, and that
@@ -188,6 +193,11 @@ class Resources:
         """The ordered backward grid's section, in (head, batch) pairs: ORDERED_SECTION_PAIRS at head dim 128,
         scaled so that a section's Q and dO take the same bytes at any head dim (0 stays 0: one section)."""
         return max(1, ORDERED_SECTION_PAIRS * 128 // self.config.head_dim) if ORDERED_SECTION_PAIRS > 0 else 0
+
+    @property
+    def atomic_section_pairs(self) -> int:
+        """The atomic-order backward grid's section (ATOMIC_SECTION_PAIRS, scaled as ordered_section_pairs)."""
+        return max(1, ATOMIC_SECTION_PAIRS * 128 // self.config.head_dim) if ATOMIC_SECTION_PAIRS > 0 else 0
 
     @property
     def hopper_dq_writer(self) -> bool:
