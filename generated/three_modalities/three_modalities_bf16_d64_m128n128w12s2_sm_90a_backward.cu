@@ -934,7 +934,7 @@ constexpr int kDqBarrierThreads = 9 * 32;
 constexpr bool kGroupedHeads = false;
 constexpr bool kOrderedSections = kOrderedSectionPairs > 0 && !kGroupedHeads;
 // Atomic order in sections too (resources.ATOMIC_SECTION_PAIRS; 0: the 3-D grid, kv-tiles fastest).
-constexpr int kAtomicSectionPairs = 0;
+constexpr int kAtomicSectionPairs = 4;
 constexpr bool kAtomicSections = kAtomicSectionPairs > 0 && !kGroupedHeads;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kBlockN == (kSplitColumns ? 1 : 2) * kKeysPerWarpgroup && kStepRows == 64 && kBlockM % kStepRows == 0, "tile");

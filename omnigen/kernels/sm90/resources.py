@@ -56,8 +56,10 @@ ORDERED_SECTION_PAIRS = 16
 # Atomic order's grid in sections too (0: the 3-D grid, kv-tiles fastest, one (head, batch) pair after another):
 # this many pairs at head dim 128 (scaled as ORDERED_SECTION_PAIRS), kv-tiles slowest inside a section, so that the
 # section's longest columns (the low kv-tiles, under causal masks) start first and its last CTAs are short ones.
-# Before, the last pair's kv-tile 0 (128 steps at 8K: ~6% of the kernel) was among the last CTAs launched.
-ATOMIC_SECTION_PAIRS = 0
+# Before, the last pair's kv-tile 0 (128 steps at 8K: ~6% of the kernel) was among the last CTAs launched. On the
+# H200 (RESULTS.md, 2026-11-23), d128 backward against the 3-D grid, Transfusion / causal rules: 2 pairs -1.5% /
+# -2.0% at 8K, -1.0% / -0.1% at 16K, within the spread at 32K; 4 and 8 pairs no better.
+ATOMIC_SECTION_PAIRS = 2
 # Atomic-order dQ through a writer warp (kDqWriter): the consumer warps stage each step's dQ rows and go on; warp
 # 1 of the producer warpgroup issues the TMA reduce-adds and waits until they have read the boxes, as in the
 # ordered mode minus its counter. Before, every consumer warp's lane 0 issued its own two reductions, and that
