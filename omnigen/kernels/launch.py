@@ -21,6 +21,14 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+def _partial_bits_keywords(module: Any, slot: torch.Tensor | None, bits: torch.Tensor | None) -> dict[str, int]:
+    """The binding's keywords for a schedule's partial tiles as bits (omnigen.plan.bits): a Mask's schedules hold
+    them, a bare Plan does not; a module that does not read them (PARTIAL_BITS False) gets none."""
+    if bits is None or bits.numel() == 0 or not getattr(module, "PARTIAL_BITS", False):
+        return {}
+    return {"partial_slot": slot.data_ptr(), "partial_bits": bits.data_ptr(), "partial_bits_words": bits.numel()}
+
+
 def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float) -> None:
     """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides)."""
@@ -31,9 +39,7 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
         # A fresh one per call (a memset on the stream): two launches on two streams never share a counter.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         extra["tile_counter"] = counter.data_ptr()
-    bits = getattr(p, "partial_bits", None)  # a Mask's schedules hold them; a bare Plan does not
-    if bits is not None and bits.numel() > 0 and getattr(module, "PARTIAL_BITS", False):
-        extra.update(partial_slot=p.partial_slot.data_ptr(), partial_bits=bits.data_ptr(), partial_bits_words=bits.numel())
+    extra.update(_partial_bits_keywords(module, getattr(p, "partial_slot", None), getattr(p, "partial_bits", None)))
     module.forward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -67,10 +73,8 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
         extra = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
     if grouped_dkdv(module, Hq, k.shape[1], deterministic):
         extra["dkdv_per_kv_head"] = True
-    bits = getattr(p, "partial_bits_bwd", None)  # a Mask's schedules hold them; a bare Plan does not
-    if bits is not None and bits.numel() > 0 and getattr(module, "PARTIAL_BITS", False):
-        extra.update(partial_slot=p.partial_slot_bwd.data_ptr(), partial_bits=bits.data_ptr(),
-                     partial_bits_words=bits.numel())
+    extra.update(_partial_bits_keywords(module, getattr(p, "partial_slot_bwd", None),
+                                        getattr(p, "partial_bits_bwd", None)))
     module.backward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
         delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..semantics import pair_predicate, rule_tensors
-from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton
+from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unspecialised_jit
 
 # What `omnigen.mask` reserves by default: bits for this many partial tiles per q-tile row of the batch, in each
 # of the two schedules (O(S) memory: 2 KB a slot at 128 x 128 tiles, so 16 KB per 128 query rows). A Transfusion layout has 1.3-1.5 partial
@@ -153,16 +153,9 @@ def partial_bits(rules, tables, ptr: torch.Tensor, index: torch.Tensor, block_m:
 
 if triton is not None:
 
-    def _unspecialised(fn):
-        """triton.jit without value specialisation of the integers or alignment specialisation of the pointers:
-        one compiled kernel per constexpr set, which launch.Launcher relies on."""
-        names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
-        # Annotations are strings here (postponed evaluation): a constexpr is any whose text ends so.
-        plain = [name for name in names if not str(fn.__annotations__.get(name, "")).endswith("constexpr")]
-        try:
-            return triton.jit(fn, do_not_specialize=plain, do_not_specialize_on_alignment=plain)
-        except TypeError:  # pragma: no cover - older Triton
-            return triton.jit(fn, do_not_specialize=plain)
+    # The kernels' integer and pointer arguments (launch.unspecialised_jit: one compiled kernel per constexpr set).
+    _INTS = ("rows", "row_tiles", "S", "n_mod", "pad")
+    _POINTERS = ("ptr", "index", "starts", "segment", "modality", "document", "see", "causal", "window", "bits")
 
     def _starts_kernel(ptr, starts, rows, BLOCK: tl.constexpr):
         """One program: starts[0] = 0, starts[r + 1] = the partial entries of rows 0..r (slot_starts)."""
@@ -233,8 +226,8 @@ if triton is not None:
             out = bits + (slot.to(tl.int64) * WORDS + w) * (ROWS * 4) + rows_here[:, None] * 4 + t[None, :]
             tl.store(out, word, mask=stored)
 
-    _STARTS = Launcher(_unspecialised(_starts_kernel), ("BLOCK",))
-    _BITS = Launcher(_unspecialised(_bits_kernel),
+    _STARTS = Launcher(unspecialised_jit(_starts_kernel, _INTS, _POINTERS), ("BLOCK",))
+    _BITS = Launcher(unspecialised_jit(_bits_kernel, _INTS, _POINTERS),
                      ("ROWS", "ROWS_P2", "COLUMNS", "WORDS", "TRANSPOSED", "ISOLATED", "WINDOWS"))
 
 _RULES_INT32: dict = {}

@@ -51,7 +51,7 @@ import torch
 from ..layout import LayoutTables
 from ..semantics import SEE_ALL, SEE_EARLIER, rule_tensors
 from ..rules import Rules
-from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton
+from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unspecialised_jit
 
 # Schedules are written into buffers of B * nq * nk entries when that is at most this many tiles
 # (16 MiB per int32 buffer); above it, one sync before the scheduling launch sizes them exactly.
@@ -210,16 +210,8 @@ if triton is not None:
     _POINTERS = ("tables", "rule_tab", "work", "sched")
 
     def _jit(fn):
-        """triton.jit without value specialisation of the sizes or alignment specialisation of the
-        pointers (each new combination would otherwise compile a new kernel, and `launch.Launcher` relies
-        on it)."""
-        names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
-        ints = [name for name in names if name in _SIZES]
-        pointers = [name for name in names if name in _POINTERS]
-        try:
-            return triton.jit(fn, do_not_specialize=ints, do_not_specialize_on_alignment=pointers)
-        except TypeError:  # pragma: no cover - older Triton
-            return triton.jit(fn, do_not_specialize=ints)
+        """triton.jit without specialisation of the sizes or the pointers' alignment (launch.unspecialised_jit)."""
+        return unspecialised_jit(fn, _SIZES, _POINTERS)
 
     @triton.jit
     def _scratch(work, B, S, nseg, n_mod, block_m, block_n, GROUP: tl.constexpr):

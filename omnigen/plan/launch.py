@@ -72,4 +72,17 @@ class Launcher:
             self.compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
+def unspecialised_jit(fn, ints, pointers):
+    """triton.jit without value specialisation of the integer arguments `ints` or alignment specialisation of the
+    pointer arguments `pointers`: one compiled kernel per set of constexprs, which `Launcher` relies on (each new
+    combination of sizes or alignments would otherwise compile a new kernel)."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    ints = [name for name in names if name in ints]
+    pointers = [name for name in names if name in pointers]
+    try:
+        return triton.jit(fn, do_not_specialize=ints, do_not_specialize_on_alignment=pointers)
+    except TypeError:  # pragma: no cover - older Triton
+        return triton.jit(fn, do_not_specialize=ints)
+
+
 DIRECT_LAUNCH = direct_launch_supported()

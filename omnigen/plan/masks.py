@@ -18,9 +18,9 @@ Above that limit the schedules are exact (their sizes then depend on the layout)
 
 Per tile shape a mask also holds partial tiles' masks as bits (`plan.bits`: slot starts per schedule row and the
 bits of up to a capacity of partial tiles, for the forward schedule and the backward's), which the sm90 kernels
-read instead of evaluating the rules. Their
-capacity is `partial_bits` ("auto": a few tiles per q-tile row, O(S); "all"; a number; "none"), fixed by B, S and
-the tile shape; a mask made from exact plans (a call with a plain layout) holds every partial tile's.
+read instead of evaluating the rules. Their capacity is `partial_bits` ("auto": a few tiles per q-tile row, O(S);
+"all"; a number; "none"), fixed by B, S and the tile shape; a mask made from exact plans (a call with a plain
+layout) holds every partial tile's.
 """
 
 from __future__ import annotations

@@ -190,16 +190,20 @@ class Resources:
         columns: their dQ goes by per-thread atomics, which no counter can order)."""
         return ORDERED_DQ and self.hopper_tma_dq
 
+    def _section_pairs(self, pairs_at_d128: int) -> int:
+        """A backward grid section of `pairs_at_d128` (head, batch) pairs at head dim 128, scaled so that a
+        section's Q and dO take the same bytes at any head dim (0 stays 0: no sections)."""
+        return max(1, pairs_at_d128 * 128 // self.config.head_dim) if pairs_at_d128 > 0 else 0
+
     @property
     def ordered_section_pairs(self) -> int:
-        """The ordered backward grid's section, in (head, batch) pairs: ORDERED_SECTION_PAIRS at head dim 128,
-        scaled so that a section's Q and dO take the same bytes at any head dim (0 stays 0: one section)."""
-        return max(1, ORDERED_SECTION_PAIRS * 128 // self.config.head_dim) if ORDERED_SECTION_PAIRS > 0 else 0
+        """The ordered backward grid's section (ORDERED_SECTION_PAIRS, scaled by head dim)."""
+        return self._section_pairs(ORDERED_SECTION_PAIRS)
 
     @property
     def atomic_section_pairs(self) -> int:
-        """The atomic-order backward grid's section (ATOMIC_SECTION_PAIRS, scaled as ordered_section_pairs)."""
-        return max(1, ATOMIC_SECTION_PAIRS * 128 // self.config.head_dim) if ATOMIC_SECTION_PAIRS > 0 else 0
+        """The atomic-order backward grid's section (ATOMIC_SECTION_PAIRS, scaled by head dim)."""
+        return self._section_pairs(ATOMIC_SECTION_PAIRS)
 
     @property
     def hopper_dq_writer(self) -> bool:
