@@ -388,6 +388,51 @@ def test_sm90_atomic_backward_in_sections(case):
                     name=name, family="sm90")
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000",
+                                                                 "documents_1000", "short_segments")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_descending_steps(case):
+    """Each kind's steps walked last q-tile first (resources.ORDERED_DESCENDING_STEPS, ATOMIC_DESCENDING_STEPS; every
+    kind occurs in these layouts, some columns with several q-tiles of one kind): atomic and deterministic mode
+    against float64, then identical bits again."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    named = renamed(rules, "descending_steps")
+    strided = name == "pad_docs_strided"
+    with switched(ORDERED_DESCENDING_STEPS=True, ATOMIC_DESCENDING_STEPS=True):
+        module = _module(named, 128, "bf16", family="sm90")
+        _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=False, name=name,
+                    family="sm90")
+        first = _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=True, name=name,
+                            family="sm90")
+        _same_bits_again(module, named, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("one_token", "s17_gqa", "pad_docs_strided",
+                                                                 "misaligned_images_1000", "short_segments")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_lagged_dq(case, head_dim):
+    """dQ a step behind dK, from a ring of three dS^T buffers, each warpgroup's rows through barriers of its own
+    (resources.LAGGED_DQ; one-step columns, and columns of every kind): atomic and deterministic mode against
+    float64, then identical bits again."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    named = renamed(rules, "lagged_dq")
+    strided = name == "pad_docs_strided"
+    with switched(LAGGED_DQ=True):
+        module = _module(named, head_dim, "bf16", family="sm90")
+        _check_case(named, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
+                    family="sm90")
+        first = _check_case(named, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
+                            name=name, family="sm90")
+        _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_ordered_dq_speed_report():
