@@ -410,21 +410,23 @@ def test_sm90_descending_steps(case):
         _same_bits_again(module, named, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
 
 
+@pytest.mark.parametrize("switches", [{"EARLY_SCORES": False}, {"EARLY_SCORES": True, "ORDERED_DESCENDING_STEPS": True}],
+                         ids=["late", "early_descending"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("one_token", "s17_gqa", "pad_docs_strided",
                                                                  "misaligned_images_1000", "short_segments")],
                          ids=lambda c: c[0])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_lagged_dq(case, head_dim):
-    """dQ a step behind dK, from a ring of three dS^T buffers, each warpgroup's rows through barriers of its own
-    (resources.LAGGED_DQ; one-step columns, and columns of every kind): atomic and deterministic mode against
-    float64, then identical bits again."""
+def test_sm90_scores_early_or_late(case, head_dim, switches):
+    """The next step's S^T issued under this step's dQ (resources.EARLY_SCORES, on by default: here with the descending
+    walk) or at the start of its own step (off); one-step columns, a step past the end of the sequence skipped, columns
+    of every kind: atomic and deterministic mode against float64, then identical bits again."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "lagged_dq")
+    named = renamed(rules, "_".join(f"{k.lower()}_{int(v)}" for k, v in switches.items()))
     strided = name == "pad_docs_strided"
-    with switched(LAGGED_DQ=True):
+    with switched(**switches):
         module = _module(named, head_dim, "bf16", family="sm90")
         _check_case(named, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
                     family="sm90")

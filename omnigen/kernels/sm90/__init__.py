@@ -107,7 +107,7 @@ class Sm90Family(KernelFamily):
             "atomic_section_pairs": r.atomic_section_pairs,
             "ordered_descending_steps": resources.ORDERED_DESCENDING_STEPS,
             "atomic_descending_steps": resources.ATOMIC_DESCENDING_STEPS,
-            "lagged_dq": r.hopper_lagged_dq_ring,
+            "early_scores": resources.EARLY_SCORES,
             "dq_writer": r.hopper_dq_writer,
             "grouped_heads": r.hopper_grouped_heads,
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),

@@ -67,12 +67,13 @@ ATOMIC_SECTION_PAIRS = 2
 # reach q-tile m at step (last q-tile - m), together.
 ORDERED_DESCENDING_STEPS = False
 ATOMIC_DESCENDING_STEPS = False
-# Lagged dQ (kLaggedDq): each consumer warpgroup computes the previous step's dQ after this step's dK, from a ring of
-# three dS^T buffers, and hands its dQ rows to the writer warp through barriers of its own. Before, both warpgroups
-# met twice a step: at the dS^T exchange (each dQ needs both warpgroups' dS^T of the step) and at the writer's dQ
-# barrier of all 8 warps; so their elementwise phases ran together while the tensor pipe idled. Needs the writer
-# warp; not with split columns (d256). 16 KB more shared memory (the third buffer).
-LAGGED_DQ = False
+# The next step's S^T = K Q^T issued right after this step's dQ product and run while its dQ rows are staged
+# (kEarlyScores): a step used to stage dQ with the tensor pipe idle until the next step's products were issued.
+# Nsight (causal 8K d128, H200, 2026-11-24): the backward's tensor pipe active 54% of cycles, cuDNN's 62%. Predicted
+# -5..-10%; measured (RESULTS.md, 2026-11-24) d128 atomic -2.2..-3.8% in one run and -0.3..-1.7% in another,
+# deterministic -1..-3%. (Reading the step's lse before S^T is waited for as well, which took 8.9 points of
+# short-scoreboard stalls out of the exponentials' stretch, gained nothing more: not kept.) On.
+EARLY_SCORES = True
 # Atomic-order dQ through a writer warp (kDqWriter): the consumer warps stage each step's dQ rows and go on; warp
 # 1 of the producer warpgroup issues the TMA reduce-adds and waits until they have read the boxes, as in the
 # ordered mode minus its counter. Before, every consumer warp's lane 0 issued its own two reductions, and that
@@ -225,11 +226,6 @@ class Resources:
         return DQ_WRITER_WARP and self.hopper_tma_dq
 
     @property
-    def hopper_lagged_dq_ring(self) -> bool:
-        """Whether the Hopper backward keeps three dS^T buffers for lagged dQ (LAGGED_DQ; not with split columns)."""
-        return LAGGED_DQ and not self.hopper_split_columns
-
-    @property
     def hopper_grouped_heads(self) -> bool:
         """Whether the Hopper backward sums a GQA group's dK/dV in the kernel (GQA_IN_KERNEL)."""
         return GQA_IN_KERNEL and not self.hopper_backward_problems()
@@ -237,16 +233,16 @@ class Resources:
     @property
     def hopper_shared_storage_bytes(self) -> int:
         """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers, the step's dQ
-        (fp32, on its way to TMA; none with split columns, whose dQ goes by atomics; three dS^T buffers with LAGGED_DQ), stages x the rows' tables
+        (fp32, on its way to TMA; none with split columns, whose dQ goes by atomics), stages x the rows' tables
         (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
         t = self.config.tile
         kv = t.block_n * 128 * self.boxes
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
-        ds = t.block_n * HOPPER_STEP_ROWS * 2 * (3 if self.hopper_lagged_dq_ring else 2)
+        ds = t.block_n * HOPPER_STEP_ROWS * 2
         dq = 0 if self.hopper_split_columns else HOPPER_STEP_ROWS * self.config.head_dim * 4
         tables = HOPPER_STAGES * 5 * HOPPER_STEP_ROWS * 4
         barriers = 8 * (1 + 2 * HOPPER_STAGES)
-        return -(-(2 * kv + 2 * HOPPER_STAGES * rows + ds + dq + tables + barriers) // 1024) * 1024
+        return -(-(2 * kv + 2 * HOPPER_STAGES * rows + 2 * ds + dq + tables + barriers) // 1024) * 1024
 
     def hopper_backward_problems(self) -> list[str]:
         """Why the module's backward is not the Hopper kernel (it then runs the sm80 one it carries)."""
