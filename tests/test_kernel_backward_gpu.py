@@ -393,15 +393,16 @@ def test_sm90_atomic_backward_in_sections(case):
                          ids=lambda c: c[0])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_descending_steps(case):
-    """Each kind's steps walked last q-tile first (resources.ORDERED_DESCENDING_STEPS, ATOMIC_DESCENDING_STEPS; every
-    kind occurs in these layouts, some columns with several q-tiles of one kind): atomic and deterministic mode
-    against float64, then identical bits again."""
+def test_sm90_walk_orders_off_default(case):
+    """The walk orders the defaults do not take: deterministic mode's steps first q-tile first (ORDERED_DESCENDING_STEPS
+    off, with the ordered grid's former sections of 16 pairs) and atomic order's last q-tile first
+    (ATOMIC_DESCENDING_STEPS on); every kind occurs in these layouts, some columns with several q-tiles of one kind:
+    atomic and deterministic mode against float64, then identical bits again."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "descending_steps")
+    named = renamed(rules, "walk_orders")
     strided = name == "pad_docs_strided"
-    with switched(ORDERED_DESCENDING_STEPS=True, ATOMIC_DESCENDING_STEPS=True):
+    with switched(ORDERED_DESCENDING_STEPS=False, ORDERED_SECTION_PAIRS=16, ATOMIC_DESCENDING_STEPS=True):
         module = _module(named, 128, "bf16", family="sm90")
         _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=False, name=name,
                     family="sm90")

@@ -52,7 +52,12 @@ ORDERED_DQ = True
 # 128; other head dims scale it by 128 / head_dim (`ordered_section_pairs`), so a section reads as many bytes. d64,
 # deterministic over atomic (H200, 2026-11-23), Transfusion 8K / 32K: 16 pairs +11.4% / +6.0%, 32 pairs +6.1% /
 # +5.0%, 64 pairs +17.7% / +6.9%; causal rules 16 pairs +11.5% / +6.1%, 32 pairs +6.7% / +5.2%.
-ORDERED_SECTION_PAIRS = 16
+# With the descending walk (ORDERED_DESCENDING_STEPS, on since 2026-11-24) kv-tiles no longer wait a step per kv-tile
+# below them, so small sections pay: H200, d128 backward, deterministic over atomic, Transfusion 8K / 32K, causal rules
+# 8K / 32K (RESULTS.md, 2026-11-24): ascending walk, 16 pairs +10.7 / +6.3 / +13.8 / +5.8%; descending, 2 pairs
+# +6.9 / +3.1 / +6.6 / +4.6%, 4 pairs +7.2 / +4.5 / +7.5 / +4.0%, 8 pairs +6.0 / +4.9 / +10 / +2.6%, 16 pairs +8.5 /
+# +7.1 / +10.4 / +6.1%.
+ORDERED_SECTION_PAIRS = 2
 # Atomic order's grid in sections too (0: the 3-D grid, kv-tiles fastest, one (head, batch) pair after another):
 # this many pairs at head dim 128 (scaled as ORDERED_SECTION_PAIRS), kv-tiles slowest inside a section, so that the
 # section's longest columns (the low kv-tiles, under causal masks) start first and its last CTAs are short ones.
@@ -62,10 +67,12 @@ ORDERED_SECTION_PAIRS = 16
 ATOMIC_SECTION_PAIRS = 2
 # The Hopper backward walks each kind's steps of a kv-tile's column last q-tile first (every role alike), in
 # deterministic mode / in atomic order. Deterministic mode adds a q-tile's dQ in kv-tile order, lower first; walking
-# up from its diagonal, kv-tile j reaches q-tile m at step m - j - 1 (the diagonal, causal kind, last), one step
-# after kv-tile j + 1 does, which then waits for it: a step per kv-tile below it in the section. Walking down, all
-# reach q-tile m at step (last q-tile - m), together.
-ORDERED_DESCENDING_STEPS = False
+# up from its diagonal, kv-tile j + 1 reaches each q-tile one q-tile before kv-tile j and waits for it, so the kv-tiles
+# of a head that start together fall a q-tile behind one another. Walking down, they all reach q-tile m at the same
+# step and wait only for each other's writes, once. Alone (sections of 16 pairs) it was within +-2% except
+# Transfusion 8K (-4%); with small sections it halves deterministic mode's cost (ORDERED_SECTION_PAIRS). On in
+# deterministic mode; in atomic order within the spread (+0.5..2% at 32K): off.
+ORDERED_DESCENDING_STEPS = True
 ATOMIC_DESCENDING_STEPS = False
 # The next step's S^T = K Q^T issued right after this step's dQ product and run while its dQ rows are staged
 # (kEarlyScores): a step used to stage dQ with the tensor pipe idle until the next step's products were issued.
