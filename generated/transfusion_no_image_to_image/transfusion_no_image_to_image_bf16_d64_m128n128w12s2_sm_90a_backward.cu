@@ -920,7 +920,7 @@ constexpr bool kOrderedDq = true;
 // The ordered grid's sections: this many (query head, batch element) pairs, kv-tiles slowest inside each (0: one
 // section of every pair). Not with kGroupedHeads: a CTA's coordinates decoded by division, rather than block
 // indices ptxas reads again where they are used, doubled the spills of its 24-register producer (82 -> 154 B).
-constexpr int kOrderedSectionPairs = 4;
+constexpr int kOrderedSectionPairs = 8;
 // Atomic order: dQ added by the same writer warp, in whatever order the CTAs come (resources.DQ_WRITER_WARP),
 // else by each consumer warp's lane 0.
 constexpr bool kDqWriter = true;

@@ -38,9 +38,9 @@ SPLIT_COLUMNS = True
 # Deterministic mode on the Hopper backward (kOrderedDq): dQ still leaves each CTA by TMA reduce-add, but one
 # thread adds the whole step's rows once the (batch, head, 64 rows) counter says every lower kv-tile visiting
 # them has added its own (ranks from Plan.dq_ranks), so the sums come in the same order on every run. The
-# ordered grid runs kv-tiles slowest (in sections of heads) so that lower kv-tiles are ahead. On: 7-11% over
-# atomic order at S = 8K-32K (ORDERED_SECTION_PAIRS), 1.5-1.9x faster than the carried sm80 backward that
-# deterministic mode runs with it off (RESULTS.md).
+# ordered grid runs kv-tiles slowest (in sections of heads), so a kv-tile only waits on CTAs launched before it. On:
+# 2-7% over atomic order at S = 8K-32K at d128 and 3-8% at d64 with the descending walk (ORDERED_SECTION_PAIRS,
+# RESULTS.md 2026-11-24), 1.5-1.9x faster than the carried sm80 backward that deterministic mode runs with it off.
 ORDERED_DQ = True
 # The ordered grid in sections of this many (query-head block, batch element) pairs, kv-tiles slowest inside a
 # section (0: one section of every pair). Fewer pairs per wave read fewer heads' Q and dO (4 MB a head at 8K, d128:
@@ -56,7 +56,10 @@ ORDERED_DQ = True
 # below them, so small sections pay: H200, d128 backward, deterministic over atomic, Transfusion 8K / 32K, causal rules
 # 8K / 32K (RESULTS.md, 2026-11-24): ascending walk, 16 pairs +10.7 / +6.3 / +13.8 / +5.8%; descending, 2 pairs
 # +6.9 / +3.1 / +6.6 / +4.6%, 4 pairs +7.2 / +4.5 / +7.5 / +4.0%, 8 pairs +6.0 / +4.9 / +10 / +2.6%, 16 pairs +8.5 /
-# +7.1 / +10.4 / +6.1%.
+# +7.1 / +10.4 / +6.1%. At d64 (same day) with the descending walk, 4 / 8 / 16 / 32 pairs: Transfusion 8K / 32K, causal
+# 8K / 32K +9.8 / +3.4 / +10 / +5.3%, +6.4 / +4.2 / +8.0 / +4.7%, +8.0 / +8.3 / +8.7 / +10.2%, +9.9 / +7.6 / +12.5 /
+# +10%: 8 pairs, 4x d128's (ordered_section_pairs scales by the square of 128 / head dim). The ascending walk's 32
+# pairs had given +6.1 / +5.0 / +6.7 / +5.2%.
 ORDERED_SECTION_PAIRS = 2
 # Atomic order's grid in sections too (0: the 3-D grid, kv-tiles fastest, one (head, batch) pair after another):
 # this many pairs at head dim 128 (scaled as ORDERED_SECTION_PAIRS), kv-tiles slowest inside a section, so that the
@@ -211,15 +214,20 @@ class Resources:
         columns: their dQ goes by per-thread atomics, which no counter can order)."""
         return ORDERED_DQ and self.hopper_tma_dq
 
-    def _section_pairs(self, pairs_at_d128: int) -> int:
-        """A backward grid section of `pairs_at_d128` (head, batch) pairs at head dim 128, scaled so that a
-        section's Q and dO take the same bytes at any head dim (0 stays 0: no sections)."""
-        return max(1, pairs_at_d128 * 128 // self.config.head_dim) if pairs_at_d128 > 0 else 0
+    def _section_pairs(self, pairs_at_d128: int, power: int = 1) -> int:
+        """A backward grid section of `pairs_at_d128` (head, batch) pairs at head dim 128, scaled by
+        (128 / head_dim) ** power: with power 1 a section's Q and dO take the same bytes at any head dim (0 stays 0:
+        no sections)."""
+        if pairs_at_d128 <= 0:
+            return 0
+        return max(1, pairs_at_d128 * 128**power // self.config.head_dim**power)
 
     @property
     def ordered_section_pairs(self) -> int:
-        """The ordered backward grid's section (ORDERED_SECTION_PAIRS, scaled by head dim)."""
-        return self._section_pairs(ORDERED_SECTION_PAIRS)
+        """The ordered backward grid's section (ORDERED_SECTION_PAIRS, scaled by the square of 128 / head dim: the same
+        bytes per section, and at smaller head dims shorter steps against the same latency of each ordered dQ write,
+        so fewer kv-tiles of one head per wave)."""
+        return self._section_pairs(ORDERED_SECTION_PAIRS, power=2)
 
     @property
     def atomic_section_pairs(self) -> int:
