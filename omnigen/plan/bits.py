@@ -33,9 +33,9 @@ from ..semantics import pair_predicate, rule_tensors
 from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unspecialised_jit
 
 # What `omnigen.mask` reserves by default: bits for this many partial tiles per q-tile row of the batch, in each
-# of the two schedules (O(S) memory: 2 KB a slot at 128 x 128 tiles, so 16 KB per 128 query rows). A Transfusion layout has 1.3-1.5 partial
-# tiles per q-tile row at 8K-32K; layouts of many short segments have more, and their tiles past the capacity
-# evaluate the rules in the kernel. `partial_bits="all"` reserves one slot per tile.
+# of the two schedules (O(S) memory: 2 KB a slot at 128 x 128 tiles, so 16 KB per 128 query rows). A Transfusion
+# layout has 1.3-1.5 partial tiles per q-tile row at 8K-32K; layouts of many short segments have more, and their
+# tiles past the capacity evaluate the rules in the kernel. `partial_bits="all"` reserves one slot per tile.
 DEFAULT_SLOTS_PER_ROW = 4
 
 

@@ -134,8 +134,8 @@ class Mask:
         mine = [self.token_segment, self.token_modality, self.token_doc, *self.schedules]
         theirs = [other.token_segment, other.token_modality, other.token_doc, *other.schedules]
         if not problems and any(a.shape != b.shape for a, b in zip(mine, theirs)):
-            problems.append("schedules or partial-tile bits of another size (masks above CAPACITY_LIMIT tiles, and masks "
-                        "from plain layouts, are exact-sized; omnigen.mask's partial_bits must match)")
+            problems.append("schedules or partial-tile bits of another size (masks above CAPACITY_LIMIT tiles, and "
+                            "masks from plain layouts, are exact-sized; omnigen.mask's partial_bits must match)")
         if problems:
             raise ValueError("mask.copy_: the masks differ: " + "; ".join(problems))
         for a, b in zip(mine, theirs):
@@ -232,8 +232,8 @@ def mask_from_plans(rules: Rules, layout: AnyLayout, plans: Iterable[Plan]) -> M
 
 
 def _reads_bits(device: torch.device) -> bool:
-    """Whether a kernel on `device` reads partial tiles' bits: the sm90 family's forward (compute capability 9.x).
-    Elsewhere a mask holds none (capacity 0), which costs nothing."""
+    """Whether a kernel on `device` reads partial tiles' bits: the sm90 family's forward and Hopper backward
+    (compute capability 9.x). Elsewhere a mask holds none (capacity 0), which costs nothing."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
