@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--rules", choices=("transfusion", "causal", "both"), default="both")
     parser.add_argument("--rules-file", type=Path, help="time these rules instead of the built-in ones")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle-ms", type=float, default=bench.timing.BENCH_SETTLE_MS,
+                        help="untimed running of each peer before its timed runs in every round (omnigen.tune.timing)")
     parser.add_argument("--tile-cost", action="store_true",
                         help="also time an all-partial layout against an all-full one (same tiles, same kernel)")
     parser.add_argument("--json", type=Path)
@@ -45,7 +47,7 @@ def main() -> None:
     try:
         for rules in rule_sets:
             part = bench.run(rules, dims=args.dims, sizes=args.sizes, tokens=args.tokens, heads=args.heads,
-                             seed=args.seed, on_row=lambda row: print(json.dumps(row), flush=True))
+                             seed=args.seed, settle_ms=args.settle_ms, on_row=lambda row: print(json.dumps(row), flush=True))
             result.rows += part.rows
             result.skipped += part.skipped
             result.info = {**part.info, "rules": ", ".join(r.name for r in rule_sets)}

@@ -14,7 +14,9 @@ the rules' synthetic layouts of `tune.layouts`, or the user's `--layouts FILE`),
 Effective TFLOP/s counts only allowed pairs: forward 4 * D * pairs * Hq / t (pairs summed over the
 batch); forward+backward uses 3.5x the forward FLOPs. Times are CUDA events after warm-up, the median
 of every run, all peers of one shape interleaved round-robin with the L2 flushed before each run
-(`tune.timing.time_round_robin`). A peer that cannot run a shape (not installed, out of memory, a
+(`tune.timing.time_round_robin`); in every round each peer first runs untimed for `settle_ms`, so that
+it is timed at the clocks its own load settles to under the GPU's power limit, not in the burst that
+follows a lighter peer. A peer that cannot run a shape (not installed, out of memory, a
 backend that refuses the inputs) is skipped with the reason, never fatal.
 """
 
@@ -201,7 +203,8 @@ def peak_extra_mib(fn: Callable) -> float:
 
 
 def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, only: tuple[str, ...] = PEERS,
-            on_step: Callable[[str], None] | None = None) -> tuple[list[dict], list[dict]]:
+            on_step: Callable[[str], None] | None = None,
+            settle_ms: float = timing.BENCH_SETTLE_MS) -> tuple[list[dict], list[dict]]:
     """Rows and skips for one workload: every peer warmed up, then all timed round-robin, forward and
     forward+backward."""
     step = on_step or (lambda _label: None)
@@ -231,9 +234,9 @@ def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, on
             continue
         forwards[name], both[name] = forward, fwd_bwd
     step("warmed up")
-    fwd_times = timing.time_round_robin(forwards, rounds=rounds, reps=reps) if forwards else {}
+    fwd_times = timing.time_round_robin(forwards, rounds=rounds, reps=reps, settle_ms=settle_ms) if forwards else {}
     step("forward timed")
-    both_times = timing.time_round_robin(both, rounds=rounds, reps=reps) if both else {}
+    both_times = timing.time_round_robin(both, rounds=rounds, reps=reps, settle_ms=settle_ms) if both else {}
     step("forward+backward timed")
     rows = []
     for name in forwards:
@@ -262,17 +265,18 @@ STEPS_PER_WORKLOAD = 4
 def run(rules: Rules, *, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
         heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None, rounds: int = 6,
         reps: int = 3, only: tuple[str, ...] = PEERS, on_step: Callable[[str], None] | None = None,
-        on_row: Callable[[dict], None] | None = None) -> Result:
+        on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS) -> Result:
     """Every workload of the rules against every peer (see the module docstring). Raises NoGPU without CUDA."""
     if not torch.cuda.is_available():
         raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape
     result = Result(info={
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rules": rules.name, "tokens": tokens,
-        "heads": heads, "dtype": "bf16", "seed": seed,
+        "heads": heads, "dtype": "bf16", "seed": seed, "settle_ms": settle_ms,
     })
     for work in workloads(rules, dims, sizes, tokens, heads, seed, layouts):
-        rows, skipped = measure(work, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step)
+        rows, skipped = measure(work, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step,
+                                settle_ms=settle_ms)
         result.rows += rows
         result.skipped += skipped
         for row in rows:

@@ -322,6 +322,62 @@ def test_round_robin_rotates_so_nobody_always_runs_first():
     assert {order[0] for order in orders} == set(names) and {order[-1] for order in orders} == set(names)
 
 
+class _FakeClockGPU:
+    """torch.cuda's events on a fake clock that each candidate's run advances by its duration (no GPU needed)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls: list[str] = []
+
+    def install(self, monkeypatch):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = gpu.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(tune_timing, "flush_buffer", lambda device=None: torch.empty(4))
+
+    def candidate(self, name: str, ms: float):
+        def run():
+            self.calls.append(name)
+            self.now += ms
+        return run
+
+
+def test_settling_runs_each_candidate_untimed_before_its_timed_runs(monkeypatch):
+    gpu = _FakeClockGPU()
+    gpu.install(monkeypatch)
+    functions = {"light": gpu.candidate("light", 10.0), "heavy": gpu.candidate("heavy", 40.0)}
+    times = tune_timing.time_round_robin(functions, rounds=2, reps=3, warmup=1, settle_ms=100.0)
+    assert times == {"light": [10.0] * 6, "heavy": [40.0] * 6}  # only the timed runs are in the result
+    # warm-up (1 each), one run each to size the settling (100 ms: 10 light runs, 3 heavy), then per round
+    # the settling runs right before the same candidate's timed runs, in the rotated order
+    round_0 = ["light"] * (10 + 3) + ["heavy"] * (3 + 3)
+    round_1 = ["heavy"] * (3 + 3) + ["light"] * (10 + 3)
+    assert gpu.calls == ["light", "heavy", "light", "heavy"] + round_0 + round_1
+
+
+def test_no_settling_by_default_times_right_after_the_previous_candidate(monkeypatch):
+    gpu = _FakeClockGPU()
+    gpu.install(monkeypatch)
+    functions = {"a": gpu.candidate("a", 5.0), "b": gpu.candidate("b", 7.0)}
+    times = tune_timing.time_round_robin(functions, rounds=2, reps=2, warmup=1)
+    assert times == {"a": [5.0] * 4, "b": [7.0] * 4}
+    assert gpu.calls == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"]
+
+
 def test_a_candidate_must_beat_the_default_by_the_margin():
     assert tune_measurement._pick("d", {"d": 10.0, "x": 9.95}) == "d"  # within 1%: noise, keep the default
     assert tune_measurement._pick("d", {"d": 10.0, "x": 9.5}) == "x"

@@ -9,6 +9,7 @@ import click
 from .. import bench as library
 from ..rules import Rules
 from ..tune import layouts as tune_layouts
+from ..tune import timing as tune_timing
 from .app import UserError, cli, user_errors
 
 
@@ -38,12 +39,16 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--rounds", default=6, show_default=True, type=click.IntRange(min=1),
               help="Round-robin rounds per shape (each runs every peer --reps times).")
 @click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--settle-ms", default=tune_timing.BENCH_SETTLE_MS, show_default=True, type=click.FloatRange(min=0),
+              help="Untimed running of each peer before its timed runs in every round, so it is timed at the clocks "
+                   "its own load settles to under the GPU's power limit (0: time it right after the previous peer).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", metavar="FILE", help="Also write the rows and skips as JSON to FILE ('-': stdout).")
 @click.option("--png", "png_path", metavar="FILE", help="Also plot effective TFLOP/s against S to FILE. Needs matplotlib.")
 @user_errors
 def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: str, tokens: int, heads: int,
-                  peer_list: str, rounds: int, reps: int, seed: int, json_path: str | None, png_path: str | None) -> None:
+                  peer_list: str, rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
+                  png_path: str | None) -> None:
     """Time omnigen against FlexAttention, SDPA with the dense mask and the causal kernels on this GPU.
 
     \b
@@ -51,7 +56,7 @@ def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: s
       omnigen bench --rules examples/rules/transfusion.yaml --dims 128 --sizes 8192,16384 --png bench.png
 
     Every peer runs in this process on the same inputs; times are medians of CUDA-event timings after
-    warm-up, interleaved round-robin. Effective TFLOP/s count allowed pairs only (DESIGN section 7).
+    warm-up, interleaved round-robin, each peer timed after --settle-ms of its own load. Effective TFLOP/s count allowed pairs only (DESIGN section 7).
     A peer that cannot run a shape (FlexAttention missing, the dense mask out of memory, a backend that
     refuses the inputs) is skipped and listed with the reason.
     """
@@ -71,7 +76,7 @@ def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: s
     steps = library.count_steps(rules, dim_list, size_list, tokens, layouts)
     with click.progressbar(length=steps, label="benchmarking", file=sys.stderr, show_pos=True) as bar:
         result = library.run(rules, dims=dim_list, sizes=size_list, tokens=tokens, heads=heads, seed=seed,
-                             layouts=layouts, rounds=rounds, reps=reps, only=peers,
+                             layouts=layouts, rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
                              on_step=lambda _label: bar.update(1))
     if json_path == "-":
         click.echo(result.to_json())

@@ -7,16 +7,25 @@ spreads over all of them instead of favouring whoever ran first or last. Before 
 twice the size of the L2 cache is overwritten, so no candidate finds its inputs cached by the
 previous one. Each run is bracketed by CUDA events on the current stream (the flush outside them);
 the result per candidate is the list of all its times, and the median is what the tuner compares.
+
+`settle_ms` (the benchmark's peers; the tuner leaves it at 0): before its timed runs in a round, a
+candidate runs untimed for about that long, so it is timed at the clocks its own load settles to. A GPU
+at its power limit does not hold one clock: an H200 at 700 W runs the first ~25 ms after a lighter load
+up to 15% faster than the same kernel sustained, and the kernel after a heavier one up to 10% slower
+(benchmarks/RESULTS.md, 2026-11-24). Without settling, whoever follows the lightest peer in the
+rotation is timed in that burst every round.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable, Mapping
 
 DEFAULT_ROUNDS = 8
 DEFAULT_REPS = 3
 DEFAULT_WARMUP = 3
+BENCH_SETTLE_MS = 250.0
 
 
 def rotation(names: list[str], round_index: int) -> list[str]:
@@ -42,6 +51,7 @@ def time_round_robin(
     reps: int = DEFAULT_REPS,
     warmup: int = DEFAULT_WARMUP,
     on_round: Callable[[int], None] | None = None,
+    settle_ms: float = 0.0,
 ) -> dict[str, list[float]]:
     """Milliseconds of every run of every function, interleaved as described in the module docstring."""
     import torch
@@ -52,10 +62,14 @@ def time_round_robin(
         for _ in range(warmup):
             functions[name]()
     torch.cuda.synchronize()
+    settle_runs = {name: _runs_lasting(functions[name], flush, settle_ms) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
         pending = []
         for name in rotation(names, round_index):
+            for _ in range(settle_runs[name]):  # untimed: the clocks settle to this candidate's load
+                flush.zero_()
+                functions[name]()
             for _ in range(reps):
                 flush.zero_()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,6 +85,21 @@ def time_round_robin(
     return times
 
 
+def _runs_lasting(function: Callable[[], object], flush, milliseconds: float) -> int:
+    """How many runs (each after a flush, as timed) take about `milliseconds`: one run is timed to find out."""
+    if milliseconds <= 0:
+        return 0
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.zero_()
+    start.record()
+    function()
+    end.record()
+    end.synchronize()
+    return max(1, math.ceil(milliseconds / max(start.elapsed_time(end), 1e-3)))
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("inf")
 
@@ -80,4 +109,4 @@ def median_ms(function: Callable[[], object], reps: int = 20, warmup: int = DEFA
     return median(time_round_robin({"f": function}, rounds=1, reps=reps, warmup=warmup)["f"])
 
 
-__all__ = ["DEFAULT_REPS", "DEFAULT_ROUNDS", "DEFAULT_WARMUP", "flush_buffer", "median", "median_ms", "rotation", "time_round_robin"]
+__all__ = ["BENCH_SETTLE_MS", "DEFAULT_REPS", "DEFAULT_ROUNDS", "DEFAULT_WARMUP", "flush_buffer", "median", "median_ms", "rotation", "time_round_robin"]
