@@ -224,5 +224,6 @@ def test_omnigen_bench_runs_end_to_end(tmp_path):
     impls = {row["impl"] for row in data["rows"]} | {s["impl"] for s in data["skipped"]}
     assert impls == {"omnigen", "flex", "sdpa_dense", "cudnn_dense", "flash_causal", "cudnn_causal"}
     assert "omnigen" in {row["impl"] for row in data["rows"]}
+    assert data["info"]["settle_ms"] == 250.0  # each peer timed at its own settled clock (omnigen.tune.timing)
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "attention, bf16" in result.output
