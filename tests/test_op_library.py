@@ -96,6 +96,38 @@ def test_kernel_call_matches_float64_reference_with_different_forward_and_backwa
             assert got.shape == want.shape and (got.double() - want).abs().max() < 5e-2 * (want.abs().max() + 1)
 
 
+def test_eager_calls_take_the_plain_function_and_match_the_ops_own_autograd_bit_for_bit(monkeypatch):
+    kernel = emulated_kernel(monkeypatch, RULES, backward_tile=TileConfig(16, 32, 4, 2))
+    mask = kernel.mask(omnigen.Layout.batch([LAYOUT_A, LAYOUT_B]), device="cpu")
+    q, k, v = _qkv(grad=True)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OmnigenOps(TorchDispatchMode):  # what a dispatch mode (a FLOP counter, a tracer) sees of a call
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "omnigen":
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with OmnigenOps() as mode:
+        eager = kernel(q, k, v, mask)
+        assert type(eager.grad_fn).__name__ == "EagerAttentionBackward"  # the cheap autograd path (op/autograd.py)
+        through_op, _ = torch.ops.omnigen.attention(*_op_args(kernel, mask, q, k, v))
+        assert "EagerAttention" not in type(through_op.grad_fn).__name__
+        assert torch.equal(eager, through_op)
+        d_out = torch.randn_like(eager)
+        eager_grads = torch.autograd.grad(eager, (q, k, v), d_out)
+        op_grads = torch.autograd.grad(through_op, (q, k, v), d_out)
+    assert mode.seen == ["attention.default"] * 2 + ["attention_backward.default"] * 2  # the same ops either way
+    for got, want in zip(eager_grads, op_grads):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        assert kernel(q, k, v, mask).grad_fn is None
+
+
 def test_attention_with_a_mask_needs_no_rules_and_checks_what_it_gets(monkeypatch):
     kernel = emulated_kernel(monkeypatch, RULES)
     ops = pytest.importorskip("omnigen.op.kernel")

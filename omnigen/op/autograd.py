@@ -5,6 +5,11 @@ shape (the backward runs its own tuned tile shape, which may differ from the for
 tables. The backward saves q, k, v, out and lse (none of them tile-specific) and calls
 `omnigen::attention_backward`, itself an op, so `torch.compile` (AOTAutograd) sees the backward as one
 node too and eager and compiled gradients come from the same kernels.
+
+In eager mode `omnigen.attention` goes through `EagerAttention`, a plain autograd.Function around the same two
+ops: torch.library's Python autograd layer (the formula registered below) cost ~130 us of host time a forward on
+top of a Function's ~30 (RESULTS.md, 2026-11-24). The ops, their kernels and the saved tensors are the same either
+way; under torch.compile the op is called directly and AOTAutograd traces the registered formula.
 """
 
 from __future__ import annotations
@@ -26,14 +31,33 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, d_out, _d_lse):
+def _gradients(ctx, d_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, out, lse, token_segment, token_modality, token_doc, *schedules = ctx.saved_tensors
     if d_out is None:  # pragma: no cover - autograd materialises zeros by default
         d_out = torch.zeros_like(out)
-    dq, dk, dv = attention_backward_op(d_out, q, k, v, out, lse, schedules, ctx.tiles, token_segment, token_modality,
-                                       token_doc, ctx.kernel, ctx.scale, ctx.deterministic)
+    return attention_backward_op(d_out, q, k, v, out, lse, schedules, ctx.tiles, token_segment, token_modality,
+                                 token_doc, ctx.kernel, ctx.scale, ctx.deterministic)
+
+
+def _backward(ctx, d_out, _d_lse):
+    dq, dk, dv = _gradients(ctx, d_out)
     # one gradient per input, lists as lists: q, k, v, then none for the schedules and the rest
-    return (dq, dk, dv, [None] * len(schedules)) + (None,) * (len(_INPUTS) - 4)
+    return (dq, dk, dv, [None] * (len(ctx.saved_tensors) - 8)) + (None,) * (len(_INPUTS) - 4)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """`omnigen::attention` with a plain Function's autograd (eager calls; see the module docstring). Takes the
+    op's inputs in the op's order and returns (out, lse)."""
+
+    @staticmethod
+    def forward(*inputs):
+        return attention_op(*inputs)  # grad mode is off in here: the op's own autograd layer steps aside
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):
+        return _gradients(ctx, d_out) + (None,) * (len(_INPUTS) - 3)  # none for the non-tensor inputs
