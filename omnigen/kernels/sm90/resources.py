@@ -116,9 +116,10 @@ PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPing
 PERSISTENT = True
 # A persistent Hopper backward (the same counter and two-slot tile ring; the Q/dO ring, dS^T buffers and dQ writer
 # running on across tiles; the next tile's K/V loading while this one's dK/dV are stored) was built, passed the
-# float64 and bit-identity tests at d64/d128/d256, and measured 0.5-2.7% slower than the grid at 8K and 32K (d128)
-# and within -1..+2.7% at d64 (H200, RESULTS.md 2026-11-24): the grid's boundary costs less than predicted, and the
-# loop's state took consumer registers (spills at tile boundaries, one reload per partial step). Removed.
+# float64 and bit-identity tests at d64/d128/d256, and measured slower than the grid everywhere: +0.7..+2.4% at d128,
+# +0.2..+1.5% at d64, 8K and 32K (H200, means of two rounds, RESULTS.md 2026-11-24). The grid's boundary costs less
+# than predicted, and the loop's state took consumer registers (spills at tile boundaries, one reload per partial
+# step). Removed.
 # The forward's partial kv-tiles read their key tables from shared memory always (kTablesAlwaysShared): the
 # producer copies the rows TMA cannot bring (unaligned, past the end). Before, the mask read a pointer picked
 # between shared and global memory, so every read was a generic load. On the H200 (RESULTS.md, 2026-11-23):
