@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omnigen  # noqa: E402
 from omnigen import bench  # noqa: E402
+from omnigen.tune import timing  # noqa: E402
 
 TRANSFUSION = omnigen.Rules(name="transfusion", modalities={"text": "causal", "image": "full"})
 CAUSAL = omnigen.Rules(name="causal", modalities={"text": "causal"})
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--rules", choices=("transfusion", "causal", "both"), default="both")
     parser.add_argument("--rules-file", type=Path, help="time these rules instead of the built-in ones")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--settle-ms", type=float, default=bench.timing.BENCH_SETTLE_MS,
+    parser.add_argument("--settle-ms", type=float, default=timing.BENCH_SETTLE_MS,
                         help="untimed running of each peer before its timed runs in every round (omnigen.tune.timing)")
     parser.add_argument("--tile-cost", action="store_true",
                         help="also time an all-partial layout against an all-full one (same tiles, same kernel)")
@@ -47,7 +48,8 @@ def main() -> None:
     try:
         for rules in rule_sets:
             part = bench.run(rules, dims=args.dims, sizes=args.sizes, tokens=args.tokens, heads=args.heads,
-                             seed=args.seed, settle_ms=args.settle_ms, on_row=lambda row: print(json.dumps(row), flush=True))
+                             seed=args.seed, settle_ms=args.settle_ms,
+                             on_row=lambda row: print(json.dumps(row), flush=True))
             result.rows += part.rows
             result.skipped += part.skipped
             result.info = {**part.info, "rules": ", ".join(r.name for r in rule_sets)}

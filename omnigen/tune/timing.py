@@ -10,10 +10,10 @@ the result per candidate is the list of all its times, and the median is what th
 
 `settle_ms` (the benchmark's peers; the tuner leaves it at 0): before its timed runs in a round, a
 candidate runs untimed for about that long, so it is timed at the clocks its own load settles to. A GPU
-at its power limit does not hold one clock: an H200 at 700 W runs the first ~25 ms after a lighter load
-up to 15% faster than the same kernel sustained, and the kernel after a heavier one up to 10% slower
-(benchmarks/RESULTS.md, 2026-11-24). Without settling, whoever follows the lightest peer in the
-rotation is timed in that burst every round.
+at its power limit does not hold one clock: on an H200 at 700 W, cuDNN's training step ran its first
+~25 ms after a lighter load 12-14% faster than sustained, and omnigen's right after cuDNN's 7% slower
+than its own sustained rate (benchmarks/RESULTS.md, 2026-11-24). Without settling, whoever follows the
+lightest peer in the rotation is timed in that burst every round.
 """
 
 from __future__ import annotations
@@ -109,4 +109,5 @@ def median_ms(function: Callable[[], object], reps: int = 20, warmup: int = DEFA
     return median(time_round_robin({"f": function}, rounds=1, reps=reps, warmup=warmup)["f"])
 
 
-__all__ = ["BENCH_SETTLE_MS", "DEFAULT_REPS", "DEFAULT_ROUNDS", "DEFAULT_WARMUP", "flush_buffer", "median", "median_ms", "rotation", "time_round_robin"]
+__all__ = ["BENCH_SETTLE_MS", "DEFAULT_REPS", "DEFAULT_ROUNDS", "DEFAULT_WARMUP", "flush_buffer", "median", "median_ms",
+           "rotation", "time_round_robin"]
