@@ -302,8 +302,9 @@ COLUMNS = ("rules", "impl", "D", "S", "B", "fwd_ms", "fwd_bwd_ms", "fwd_tflops",
 def table(result: Result) -> str:
     """The rows as a text table, then one line per skipped peer (what and why)."""
     info = result.info
+    settled = f", each peer timed after {info['settle_ms']:g} ms of its own load" if info.get("settle_ms") else ""
     lines = [f"attention, {info.get('dtype', 'bf16')}, H={info.get('heads')}, B*S={info.get('tokens')}, "
-             f"GPU: {info.get('gpu')}, torch {info.get('torch')}"]
+             f"GPU: {info.get('gpu')}, torch {info.get('torch')}{settled}"]
     cells = [[str(r.get(c, "-")) for c in COLUMNS] for r in result.rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(COLUMNS)]
     lines.append("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))

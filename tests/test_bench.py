@@ -67,6 +67,9 @@ def test_table_lists_rows_and_what_was_skipped_and_why():
     assert "omnigen" in text and "300.0" in text
     assert "skipped sdpa_dense at D=128 S=8192 B=4: out of memory for the dense mask" in text
     assert '"skipped"' in result.to_json()
+    assert "settle" not in text.splitlines()[0]  # an old result without settling says nothing of it
+    result.info["settle_ms"] = 250.0
+    assert bench.table(result).splitlines()[0].endswith("torch 2.x, each peer timed after 250 ms of its own load")
 
 
 @settings(max_examples=40)
