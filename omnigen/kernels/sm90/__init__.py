@@ -112,7 +112,7 @@ class Sm90Family(KernelFamily):
             "grouped_heads": r.hopper_grouped_heads,
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
-            "hopper_stages": resources.HOPPER_STAGES,
+            "hopper_stages": r.hopper_stages,
             "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,
             "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,

@@ -100,6 +100,11 @@ DQ_WRITER_WARP = True
 GQA_IN_KERNEL = False
 HOPPER_STEP_ROWS = 64
 HOPPER_STAGES = 2
+# The Q/dO ring's depth per head dim where it differs (more fit in shared memory at d64: 150 KB with 4 stages; d128
+# has room for 2). d64's steps are half as long against the same load latency. On the H200 (RESULTS.md, 2026-11-24),
+# 4 stages against 2, two rounds: Transfusion 8K -2.3%, 32K -0.4%, causal 8K -0.2%, 32K -1.8% (7 of 8 runs faster);
+# 3 stages: within the spread.
+HOPPER_STAGES_BY_HEAD_DIM = {64: 4}
 HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 PINGPONG = False  # consumer warpgroups taking turns to issue their GEMMs (kPingPong): no measurable gain yet (RESULTS.md)
@@ -261,9 +266,15 @@ class Resources:
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
         ds = t.block_n * HOPPER_STEP_ROWS * 2
         dq = 0 if self.hopper_split_columns else HOPPER_STEP_ROWS * self.config.head_dim * 4
-        tables = HOPPER_STAGES * 5 * HOPPER_STEP_ROWS * 4
-        barriers = 8 * (1 + 2 * HOPPER_STAGES)
-        return -(-(2 * kv + 2 * HOPPER_STAGES * rows + 2 * ds + dq + tables + barriers) // 1024) * 1024
+        stages = self.hopper_stages
+        tables = stages * 5 * HOPPER_STEP_ROWS * 4
+        barriers = 8 * (1 + 2 * stages)
+        return -(-(2 * kv + 2 * stages * rows + 2 * ds + dq + tables + barriers) // 1024) * 1024
+
+    @property
+    def hopper_stages(self) -> int:
+        """The Hopper backward's Q/dO ring depth (HOPPER_STAGES_BY_HEAD_DIM, else HOPPER_STAGES)."""
+        return HOPPER_STAGES_BY_HEAD_DIM.get(self.config.head_dim, HOPPER_STAGES)
 
     def hopper_backward_problems(self) -> list[str]:
         """Why the module's backward is not the Hopper kernel (it then runs the sm80 one it carries)."""
