@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..plan.masks import PER_SHAPE
 from .library import attention_backward_op, attention_op
 
 # inputs of omnigen::attention, in order (the backward returns one gradient per input)
@@ -41,8 +42,8 @@ def _gradients(ctx, d_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _backward(ctx, d_out, _d_lse):
     dq, dk, dv = _gradients(ctx, d_out)
-    # one gradient per input, lists as lists: q, k, v, then none for the schedules and the rest
-    return (dq, dk, dv, [None] * (len(ctx.saved_tensors) - 8)) + (None,) * (len(_INPUTS) - 4)
+    # one gradient per input, lists as lists: q, k, v, then none for the schedules (PER_SHAPE a tile shape), the rest
+    return (dq, dk, dv, [None] * (PER_SHAPE * (len(ctx.tiles) // 2))) + (None,) * (len(_INPUTS) - 4)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
