@@ -866,7 +866,7 @@ int backward_delta_launch(const DeltaArgs& args, uintptr_t stream, char* message
 // One CTA per (kv-tile of 128 keys, query head, batch element):
 //   producer   warp 0 copies K_j and V_j once, then walks the kv-tile's column of the plan's backward
 //              schedule 64 query rows at a time (a q-tile of 128 is 2 steps): Q, dO, and
-//              the rows' lse and Delta by TMA into a 2-stage ring; q-tiles the plan calls empty are
+//              the rows' lse and Delta by TMA into a 4-stage ring; q-tiles the plan calls empty are
 //              never loaded.
 //   consumers  two warpgroups of 64 keys each. Per step, all products by wgmma:
 //                S^T = K Q^T,  dP^T = V dO^T       (both operands in shared memory)
@@ -892,7 +892,7 @@ constexpr int kBlockM = 128;           // the plan's q-tile
 constexpr int kBlockN = 128;           // keys per CTA
 constexpr int kStepRows = 64;  // query rows per step
 constexpr int kStepsPerTile = kBlockM / kStepRows;
-constexpr int kStages = 2;
+constexpr int kStages = 4;
 constexpr int kThreads = 384;  // warpgroup 0 produces, warpgroups 1 and 2 consume
 constexpr int kConsumerWarps = 8;
 constexpr int kKeysPerWarpgroup = 64;
@@ -973,7 +973,7 @@ struct alignas(1024) SharedStorage {
   uint64_t empty[kStages];  // every consumer warp is done with the stage
 };
 constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
-static_assert(sizeof(SharedStorage) == 117760, "the resource model's shared memory figure");
+static_assert(sizeof(SharedStorage) == 153600, "the resource model's shared memory figure");
 
 struct TensorMaps {
   CUtensorMap q, k, v, d_o, dq;  // dq: the fp32 dq_accum, boxes [16 rows][32 columns]
