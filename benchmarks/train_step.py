@@ -30,7 +30,9 @@ gives each backend's tokens/s against flex and against cudnn_causal, and the lad
     # the issue's figures on an H100: one config and two lengths per call (8 runs of ~40-70 s: compilation
     # plus 17 steps); --budget-s starts no run that would end past it, and the JSON is written after every run
     python benchmarks/train_step.py --config a --seq-lens 4096 8192 --budget-s 500 --json a-4k8k.json
-    python benchmarks/train_step.py --config b --seq-lens 16384 32768 --budget-s 500 --json b-16k32k.json --png b.png
+    python benchmarks/train_step.py --config b --seq-lens 16384 32768 --budget-s 500 --json b-16k32k.json
+    # every call's runs in one table and one plot
+    python benchmarks/train_step.py --from-json a-*.json b-*.json --json all.json --png all.png
     # loss curves only (the same data and weights for every backend): compare `losses` in the JSON
     python benchmarks/train_step.py --config b --seq-lens 8192 --steps 200 --profile-steps 0 \
         --backends omnigen flex sdpa_dense --json loss.json
@@ -894,6 +896,7 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length S (B = tokens / S)")
         ax.set_ylabel("training tokens/s")
+        ax.set_ylim(bottom=0)
         ax.set_title(CONFIGS[name].describe() if name in CONFIGS else name, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -958,6 +961,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "seconds (those runs are recorded as skipped): a call under a time limit keeps its results")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, help="write every figure here (after every run, and at the end)")
+    p.add_argument("--from-json", type=Path, nargs="+", metavar="JSON",
+                   help="run nothing: merge these earlier --json files (e.g. one per call), print their table, "
+                        "and write --json / --png from them")
     p.add_argument("--png", type=Path, help="plot tokens/s against S (matplotlib)")
     args = p.parse_args(argv)
     args.argv = argv
@@ -976,9 +982,35 @@ def _write(path: Path | None, result: dict) -> None:
         path.write_text(json.dumps(result, indent=1))
 
 
+def merge(paths: list[Path]) -> dict:
+    """Earlier results as one: the first file's info (with every file's commit and date), all their runs."""
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    info = dict(results[0]["info"])
+    info["merged"] = [{"file": str(path), "commit": r["info"].get("commit"), "date": r["info"].get("date"),
+                       "device_name": r["info"].get("device_name")} for path, r in zip(paths, results)]
+    return {"info": info, "runs": [run for r in results for run in r["runs"]], "loss_agreement": []}
+
+
+def finish(result: dict, args: argparse.Namespace) -> dict:
+    """Ratios and loss agreement over all runs, then the JSON, the table and the PNG."""
+    add_ratios(result["runs"])
+    result["loss_agreement"] = loss_agreement(result["runs"])
+    _write(args.json, result)
+    print()
+    print(table(result))
+    if args.png:
+        try:
+            print(f"wrote {plot(result, args.png)}")
+        except ImportError:
+            print("matplotlib is not installed: no PNG (the JSON has every figure)")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run every (config, S, backend), print the table; returns what --json writes."""
     args = parse_args(argv)
+    if args.from_json:
+        return finish(merge(args.from_json), args)
     device = torch.device(args.device)
     settings = RunSettings(steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                            compile=device.type == "cuda" if args.compile is None else args.compile,
@@ -1020,17 +1052,7 @@ def main(argv: list[str] | None = None) -> dict:
                 _write(args.json, result)
             del batches
             _free(device)
-    add_ratios(result["runs"])
-    result["loss_agreement"] = loss_agreement(result["runs"])
-    _write(args.json, result)
-    print()
-    print(table(result))
-    if args.png:
-        try:
-            print(f"wrote {plot(result, args.png)}")
-        except ImportError:
-            print("matplotlib is not installed: no PNG (the JSON has every figure)")
-    return result
+    return finish(result, args)
 
 
 if __name__ == "__main__":

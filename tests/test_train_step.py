@@ -204,6 +204,8 @@ def test_a_tiny_run_of_main_writes_every_figure(tmp_path, capsys):
     assert runs["flex"]["status"] in ("ok", "skipped")  # torch 2.13 has no FlexAttention backward on the CPU
     out = capsys.readouterr().out
     assert "tokens/s" in out and "sdpa_dense" in out and "skipped" in out
+    merged = train_step.main(["--from-json", str(path), str(path), "--png", str(tmp_path / "train.png")])
+    assert len(merged["runs"]) == 2 * len(runs) and (tmp_path / "train.png").stat().st_size > 0
 
 
 @pytest.mark.gpu
