@@ -337,8 +337,9 @@ def cache_list() -> None:
     for info in found:
         meta = info.meta or {}
         config = meta.get("config", {})
-        label = (f"{config.get('dtype', '?')} d{config.get('head_dim', '?')} "
-                 f"m{config.get('block_m', '?')}n{config.get('block_n', '?')} {config.get('arch', '?')}")
+        label = meta.get("description") or (
+            f"{config.get('dtype', '?')} d{config.get('head_dim', '?')} "
+            f"m{config.get('block_m', '?')}n{config.get('block_n', '?')} {config.get('arch', '?')}")
         rows.append([meta.get("rules_name", "?"), label, _human_bytes(info.bytes), meta.get("built_at", "?"),
                      "ok" if info.problem is None else f"broken: {info.problem}", info.path.name])
     click.echo(_table(["rules", "variant", "size", "built", "state", "entry"], rows))

@@ -35,8 +35,8 @@ from typing import Callable, Iterable, Iterator
 
 from ..version import __version__
 from .toolchain import (
-    BuildError, Toolchain, find_toolchain, flags_fingerprint, kernel_log, module_ninja, ptxas_report, run_ninja,
-    top_ninja,
+    BuildError, Toolchain, find_toolchain, find_torch_build, flags_fingerprint, host_library_flags, host_library_ninja,
+    kernel_log, module_ninja, ptxas_report, run_ninja, top_ninja,
 )
 from ..rules import Rules
 from ..targets import KernelConfig
@@ -400,6 +400,62 @@ def get_module(rules: Rules, config: KernelConfig, toolchain: Toolchain | None =
 
 
 # ------------------------------------------------------------------------------------------------
+# host libraries: C++ built against this process's torch (the op shim), once per torch and source
+
+
+def get_host_library(name: str, sources: dict[str, str], include_dirs: Iterable[Path], description: str) -> Path:
+    """The shared library built from `sources` (file name -> C++ text) against this process's torch: from the
+    cache, else compiled now under the entry's lock and installed whole. Its key hashes the sources, every header
+    under `include_dirs`, the flags, the C++ compiler and the torch build."""
+    toolchain, torch_build = find_toolchain(), find_torch_build()
+    include_dirs = [Path(d) for d in include_dirs]
+    headers = {f"{d.name}/{p.relative_to(d).as_posix()}": p.read_text()
+               for d in include_dirs for p in sorted(d.rglob("*")) if p.is_file()}
+    key = cache_key(sources, headers, {"cxx": host_library_flags(torch_build)},
+                    {**toolchain.fingerprint(), **torch_build.fingerprint()}, "host")
+    library = f"{name}.so"
+    entry = cache_dir() / "modules" / f"{name}-{key[:12]}"
+    if entry_problem(entry, key) is None:
+        return entry / library
+    with module_lock(entry.name):
+        if entry_problem(entry, key) is None:  # built by another process while we waited
+            return entry / library
+        _remove_dead_builds()
+        (cache_dir() / "tmp").mkdir(parents=True, exist_ok=True)
+        build_dir = cache_dir() / "tmp" / f"{entry.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        build_dir.mkdir()
+        try:
+            for file_name, text in sources.items():
+                (build_dir / file_name).write_text(text)
+            (build_dir / "build.ninja").write_text(host_library_ninja(
+                build_dir, [build_dir / n for n in sources], build_dir / library, include_dirs, toolchain,
+                torch_build))
+            started = time.perf_counter()
+            run_ninja(build_dir, toolchain, jobs=1)
+            meta = {
+                "format": META_FORMAT, "key": key, "module": name, "rules_name": "-", "description": description,
+                "extension": library, "extension_bytes": (build_dir / library).stat().st_size,
+                "extension_sha256": _sha256(build_dir / library), "sources": sorted(sources),
+                "omnigen_version": __version__, "toolchain": {**toolchain.fingerprint(), **torch_build.fingerprint()},
+                "flags": {"cxx": host_library_flags(torch_build)},
+                "build_seconds": round(time.perf_counter() - started, 2),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            for leftover in (build_dir / ".ninja_log", build_dir / ".ninja_deps"):
+                leftover.unlink(missing_ok=True)
+            (build_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            if entry.exists():  # a corrupt entry: move it aside first
+                trash = cache_dir() / "tmp" / f"{entry.name}.{os.getpid()}.{secrets.token_hex(4)}-stale"
+                os.replace(entry, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(build_dir, entry)
+        finally:
+            shutil.rmtree(build_dir, ignore_errors=True)
+    return entry / library
+
+
+# ------------------------------------------------------------------------------------------------
 # the tuning database: one JSON file, {"format": N, "entries": {key: entry}}; tune_db.py owns the
 # meaning of keys and entries, this module only reads and writes the file.
 
@@ -487,6 +543,6 @@ def clear() -> tuple[int, int]:
 
 __all__ = [
     "BuildResult", "EntryInfo", "Variant", "build_variants", "cache_dir", "cache_key", "clear", "entries",
-    "entry_problem", "get_module", "import_extension", "load", "module_lock", "read_meta", "read_tuning_db",
+    "entry_problem", "get_host_library", "get_module", "import_extension", "load", "module_lock", "read_meta", "read_tuning_db",
     "tuning_db_path", "update_tuning_db", "variant",
 ]

@@ -323,6 +323,60 @@ def module_ninja(build_dir: Path, module: str, rules_name: str, config: KernelCo
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class TorchBuild:
+    """What a host library that includes torch's C++ headers (the op shim) compiles and links against."""
+
+    version: str
+    include_dirs: tuple[str, ...]
+    library_dir: str
+    cxx11_abi: bool
+
+    def fingerprint(self) -> dict[str, str]:
+        return {"torch": self.version, "cxx11_abi": str(self.cxx11_abi), "torch_lib": self.library_dir}
+
+
+def find_torch_build() -> TorchBuild:
+    """This process's torch as a C++ library. Raises ToolchainError when it ships no headers."""
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    include = root / "include"
+    if not (include / "torch" / "library.h").is_file():
+        raise ToolchainError(f"torch {torch.__version__} at {root} ships no C++ headers (include/torch/library.h); "
+                             "install a regular PyTorch wheel to use the native call path")
+    return TorchBuild(version=torch.__version__,
+                      include_dirs=(str(include), str(include / "torch" / "csrc" / "api" / "include")),
+                      library_dir=str(root / "lib"), cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+
+
+# torch's headers need C++20 from 2.10 on; the shim's own code is C++17.
+HOST_LIBRARY_FLAGS = ("-O2", "-std=c++20", "-DNDEBUG", "-fPIC", "-fvisibility=hidden", "-shared")
+
+
+def host_library_flags(torch_build: TorchBuild) -> list[str]:
+    return [*HOST_LIBRARY_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_build.cxx11_abi)}"]
+
+
+def host_library_ninja(build_dir: Path, sources: list[Path], library: Path, include_dirs: Iterable[Path],
+                       toolchain: Toolchain, torch_build: TorchBuild) -> str:
+    """build.ninja for a host C++ library against torch (the op shim): one compile-and-link step, no CUDA."""
+    includes = ["-I" + str(d) for d in include_dirs] + ["-I" + d for d in torch_build.include_dirs]
+    libraries = ["-L" + torch_build.library_dir, "-Wl,-rpath," + torch_build.library_dir, "-lc10", "-ltorch_cpu",
+                 "-ltorch"]
+    e = _ninja_escape
+    return "\n".join([
+        "ninja_required_version = 1.3",
+        f"cxx = {_quote([toolchain.cxx])}",
+        "rule host_library",
+        f"  command = $cxx {_quote(host_library_flags(torch_build) + includes)} $in -o $out "
+        f"{_quote(libraries)} > $out.log 2>&1 || {{ cat $out.log; exit 1; }}",
+        f"  description = c++ {library.name}",
+        f"build {e(library)}: host_library {' '.join(e(s) for s in sources)}",
+        "",
+    ])
+
+
 def top_ninja(module_files: list[Path]) -> str:
     """The top-level build.ninja: one subninja per module, so one ninja run builds them all in parallel."""
     return "ninja_required_version = 1.3\n" + "".join(f"subninja {_ninja_escape(p)}\n" for p in module_files)
@@ -421,7 +475,8 @@ def describe_toolchain(toolchain: Toolchain) -> str:
 
 
 __all__ = [
-    "BuildError", "Toolchain", "ToolchainError", "check_arch", "default_archs", "find_toolchain",
-    "flags_fingerprint", "gencode_flag", "kernel_log", "max_jobs", "module_ninja", "normalize_arch",
-    "parse_arch_list", "ptxas_report", "run_ninja", "source_names", "top_ninja", "visible_gpu_arch",
+    "BuildError", "Toolchain", "ToolchainError", "TorchBuild", "check_arch", "default_archs", "find_toolchain",
+    "find_torch_build", "flags_fingerprint", "gencode_flag", "host_library_flags", "host_library_ninja", "kernel_log",
+    "max_jobs", "module_ninja", "normalize_arch", "parse_arch_list", "ptxas_report", "run_ninja", "source_names",
+    "top_ninja", "visible_gpu_arch",
 ]

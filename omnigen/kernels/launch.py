@@ -6,9 +6,53 @@ stream, so the extension never includes torch headers. This is the one place tha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a built module can do and reads besides the arguments every launch takes, read once from its
+    attributes (common/templates/binding.cpp.j2 sets them)."""
+
+    has_backward: bool
+    backward_problem: str | None  # why not, when it has none
+    persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
+    partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
+    ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
+    gqa_in_kernel: bool  # the backward can sum a kv head's query heads' dK/dV itself
+    launch_abi: int | None  # omnigen/launch_abi.h's kLaunchAbi; None: a module without native launches
+    forward_launch: int  # the launch functions' addresses, for the op shim (omnigen/op/native/)
+    backward_launch: int
+    delta_launch: int
+
+
+_capabilities: dict[str, Capabilities] = {}  # by MODULE_NAME: an extension module is loaded once per process
+
+
+def capabilities(module: Any) -> Capabilities:
+    """The module's Capabilities (modules without an attribute, e.g. older builds or stand-ins, have it off).
+    Read once per built module; stand-ins (not extension modules) are read on every call."""
+    name = getattr(module, "MODULE_NAME", None) if isinstance(module, ModuleType) else None
+    found = _capabilities.get(name) if name else None
+    if found is None:
+        def flag(attribute: str) -> bool:
+            return bool(getattr(module, attribute, False))
+
+        found = Capabilities(
+            has_backward=bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))),
+            backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
+            persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
+            ordered_dq=flag("ORDERED_DQ"), gqa_in_kernel=flag("GQA_IN_KERNEL"),
+            launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
+            backward_launch=int(getattr(module, "BACKWARD_LAUNCH", 0)),
+            delta_launch=int(getattr(module, "DELTA_LAUNCH", 0)))
+        if name:
+            _capabilities[name] = found
+    return found
 
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -31,7 +75,7 @@ def _stream() -> int:
 def _partial_bits_keywords(module: Any, slot: torch.Tensor | None, bits: torch.Tensor | None) -> dict[str, int]:
     """The binding's keywords for a schedule's partial tiles as bits (omnigen.plan.bits): a Mask's schedules hold
     them, a bare Plan does not; a module that does not read them (PARTIAL_BITS False) gets none."""
-    if bits is None or bits.numel() == 0 or not getattr(module, "PARTIAL_BITS", False):
+    if bits is None or bits.numel() == 0 or not capabilities(module).partial_bits:
         return {}
     return {"partial_slot": slot.data_ptr(), "partial_bits": bits.data_ptr(), "partial_bits_words": bits.numel()}
 
@@ -42,7 +86,7 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     B, Hq, S, _ = q.shape
     t = p.tables
     extra: dict[str, Any] = {}
-    if getattr(module, "PERSISTENT_FORWARD", False):  # its work tiles come from a counter, zeroed per launch
+    if capabilities(module).persistent_forward:  # its work tiles come from a counter, zeroed per launch
         # A fresh one per call (a memset on the stream): two launches on two streams never share a counter.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         extra["tile_counter"] = counter.data_ptr()
@@ -74,7 +118,7 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
     B, Hq, S, _ = q.shape
     t = p.tables
     extra: dict[str, Any] = {}
-    if deterministic and getattr(module, "ORDERED_DQ", False):  # the order of the dQ additions, per 64-row block
+    if deterministic and capabilities(module).ordered_dq:  # the order of the dQ additions, per 64-row block
         # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
         ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
         extra = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
@@ -97,8 +141,8 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
 def grouped_dkdv(module: Any, heads_q: int, heads_kv: int, deterministic: bool) -> bool:
     """Whether the module's backward sums each kv head's query heads' dK/dV itself (GQA_IN_KERNEL: its Hopper
     kernel, which deterministic mode runs only with ORDERED_DQ), so dk/dv are the real [B, Hkv, S, D]."""
-    return (heads_q != heads_kv and getattr(module, "GQA_IN_KERNEL", False)
-            and (not deterministic or getattr(module, "ORDERED_DQ", False)))
+    found = capabilities(module)
+    return heads_q != heads_kv and found.gqa_in_kernel and (not deterministic or found.ordered_dq)
 
 
 def forward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

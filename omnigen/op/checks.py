@@ -104,8 +104,23 @@ def _scale(q: torch.Tensor, scale: Any) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
+def _plainly_valid(q: Any, k: Any, v: Any, dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    """The common call, checked in one pass of attribute reads (a training step checks once per layer and pass):
+    True means tensor_problems would find nothing; False means run it, to name every problem."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return False
+    qs, ks = q.shape, k.shape
+    return (len(qs) == 4 and len(ks) == 4 and ks == v.shape and ks[0] == qs[0] and ks[2] == qs[2] and ks[3] == qs[3]
+            and ks[1] >= 1 and qs[1] % ks[1] == 0 and q.dtype == k.dtype == v.dtype
+            and (q.dtype == dtype if dtype is not None else q.dtype in DTYPE_NAMES)
+            and (head_dim is None or qs[3] == head_dim)
+            and q.device == k.device == v.device and q.device.type in DEVICE_TYPES)
+
+
 def check_tensors(q, k, v, scale: Any = None, dtype: torch.dtype | None = None, head_dim: int | None = None) -> float:
     """q, k, v as SDPA takes them (InputError naming every problem); returns the scale (default 1/sqrt(D))."""
+    if scale is None and _plainly_valid(q, k, v, dtype, head_dim):
+        return 1.0 / math.sqrt(q.shape[-1])
     problems = tensor_problems(q, k, v, scale, dtype, head_dim, known_head_dims=False)
     if problems:
         raise InputError(problems)

@@ -29,7 +29,7 @@ from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
 from . import autograd  # registers the op's backward; EagerAttention
-from . import library
+from . import library, native
 from .library import has_backward
 from .checks import check_call, check_layout_against, check_mask, check_tensors
 
@@ -107,6 +107,8 @@ class Kernel:
         self.tuning_generation = tune_db.generation()  # the database as this kernel read it
         self.rules_key = rules.key
         self.key = library.register_kernel(self, getattr(module, "MODULE_NAME", "kernel"))  # the op's handle
+        if torch.cuda.is_available():
+            native.load()  # the C++ call path, built once per torch (op/native/)
 
     @property
     def has_backward(self) -> bool:
@@ -278,6 +280,7 @@ def forget_kernels() -> None:
     """Drop attention()'s in-process kernels, so the next call re-reads the tuning database."""
     with _KERNELS_LOCK:
         _KERNELS.clear()
+    native.forget()
 
 
 def _cached_kernel(key: tuple) -> Kernel | None:
@@ -313,6 +316,7 @@ def _resolve_rules_key(rules_key: str, head_dim: int, dtype: torch.dtype, device
 
 
 library.set_rules_resolver(_resolve_rules_key)
+tune_db.on_record(native.forget)  # a "rules:" key may resolve to newly tuned configs
 
 
 def _prepare_rules_layout(rules: Rules, layout: Any, q: torch.Tensor) -> Mask:

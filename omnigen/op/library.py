@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..kernels import family_of, kernel_ready
+from ..kernels import capabilities, family_of, kernel_ready
 from ..plan.masks import PER_SHAPE, SCHEDULE_TENSORS
 from ..plan.schedule import dq_ranks
 
@@ -72,7 +72,7 @@ def resolve(kernel: str, q: torch.Tensor) -> Any:
 
 def has_backward(module: Any) -> bool:
     """Whether a built module carries backward kernels (older modules without the flag: a `backward`)."""
-    return bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward")))
+    return capabilities(module).has_backward
 
 
 class TokenTables(NamedTuple):
@@ -186,7 +186,7 @@ def attention_backward_op(
     module = found.module_for(config)
     if not has_backward(module):
         raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
-                           f"{getattr(module, 'BACKWARD_PROBLEM', None) or 'rebuild with a newer omnigen'}")
+                           f"{capabilities(module).backward_problem or 'rebuild with a newer omnigen'}")
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)
     q, k, v, out, d_out = (kernel_ready(t) for t in (q, k, v, out, d_out))

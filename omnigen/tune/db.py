@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..version import __version__
 from ..jit import cache
@@ -34,6 +34,12 @@ FORMAT = 1
 MIN_BUCKET = 16
 
 _generation = 0  # bumped by record(): in-process users of the database (omnigen.attention) re-read it
+_listeners: list[Callable[[], None]] = []  # told after each record(): e.g. the op shim drops its launch choices
+
+
+def on_record(listener: Callable[[], None]) -> None:
+    """Call `listener()` after every record() in this process."""
+    _listeners.append(listener)
 
 
 def record(entries: Mapping[str, Mapping[str, Any]]) -> None:
@@ -41,6 +47,8 @@ def record(entries: Mapping[str, Mapping[str, Any]]) -> None:
     global _generation
     cache.update_tuning_db(dict(entries))
     _generation += 1
+    for listener in _listeners:
+        listener()
 
 
 def generation() -> int:

@@ -1,0 +1,103 @@
+"""The native call path on a GPU (op/native/): the shim's C++ kernels of omnigen::attention and
+omnigen::attention_backward give the same bits as the ops' Python kernels, for every case the Python path handles
+(MHA and GQA, fp16, deterministic, strided inputs, masks with and without partial bits, tuned tile shapes absent
+from a mask), and say the same errors.
+
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_native_gpu.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import omnigen
+from omnigen import reference
+from omnigen.op import library, native
+from omnigen.tune import layouts as tune_layouts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+RULES = omnigen.Rules.load(Path(__file__).resolve().parents[1] / "examples" / "rules" / "transfusion.yaml")
+
+
+def _inputs(B, Hq, Hkv, S, D, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    return q, k, v, torch.randn(B, Hq, S, D, device="cuda", dtype=dtype, generator=gen)
+
+
+def _op_inputs(q, k, v, mask, deterministic):
+    return (q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality, mask.token_doc,
+            library.RULES_PREFIX + mask.rules_key, q.shape[-1] ** -0.5, deterministic)
+
+
+def test_the_shim_is_loaded_and_registered_for_cuda():
+    omnigen.attention(*_inputs(1, 2, 2, 256, 64, torch.bfloat16)[:3], "text:256", RULES)  # builds, loads the shim
+    assert native.loaded(), native.problem()
+    dump = torch._C._dispatch_dump("omnigen::attention")
+    assert "CUDA: registered at" in dump and "ops.cpp" in dump
+
+
+CASES = [  # B, Hq, Hkv, S, D, dtype, deterministic, partial_bits
+    (2, 4, 4, 1000, 128, torch.bfloat16, False, "auto"),
+    (1, 8, 2, 2048, 64, torch.bfloat16, False, "auto"),
+    (2, 4, 4, 777, 64, torch.float16, False, "none"),
+    (1, 4, 4, 1536, 128, torch.bfloat16, True, "auto"),
+    (1, 8, 2, 1024, 64, torch.bfloat16, True, "none"),
+]
+
+
+@pytest.mark.parametrize("B, Hq, Hkv, S, D, dtype, deterministic, partial_bits", CASES)
+def test_native_and_python_kernels_give_the_same_bits(B, Hq, Hkv, S, D, dtype, deterministic, partial_bits):
+    layouts = omnigen.Layout.batch(tune_layouts.synthetic_batch(RULES, S, B * S, seed=S))
+    mask = omnigen.mask(RULES, layouts, device="cuda", head_dim=D, dtype=dtype, partial_bits=partial_bits)
+    q, k, v, d_out = _inputs(B, Hq, Hkv, S, D, dtype, seed=D)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # strided: [B, S, H, D] memory, as projections give it
+    omnigen.attention(q, k, v, mask)
+    assert native.loaded(), native.problem()
+    inputs = _op_inputs(q, k, v, mask, deterministic)
+    out, lse = torch.ops.omnigen.attention.default(*inputs)  # the C++ kernel
+    out_py, lse_py = library.attention_op._init_fn(*inputs)  # the Python kernel, called directly
+    assert torch.equal(out, out_py) and torch.equal(lse, lse_py)
+    grads = torch.ops.omnigen.attention_backward.default(d_out, q, k, v, out, lse, *inputs[3:])
+    grads_py = library.attention_backward_op._init_fn(d_out, q, k, v, out, lse, *inputs[3:])
+    for name, native_grad, python_grad in zip(("dq", "dk", "dv"), grads, grads_py):
+        assert native_grad.shape == python_grad.shape and native_grad.is_contiguous(), name
+        if deterministic:
+            assert torch.equal(native_grad, python_grad), name
+        else:  # dQ by atomics: the order of additions differs run to run, in either path
+            torch.testing.assert_close(native_grad.float(), python_grad.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_training_step_through_the_shim_matches_the_reference():
+    layouts = omnigen.Layout.batch([omnigen.Layout.parse("text:100 image:256 text:156"),
+                                    omnigen.Layout.parse("image:256 text:200 text:56@1")])
+    mask = omnigen.mask(RULES, layouts, device="cuda", head_dim=64, dtype=torch.bfloat16)
+    q, k, v, d_out = _inputs(2, 4, 2, 512, 64, torch.bfloat16, seed=7)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = omnigen.attention(*leaves, mask)
+    out.backward(d_out)
+    expected, _ = reference.attention_reference(q.double(), k.double(), v.double(), layouts, RULES)
+    expected_grads = reference.attention_reference_grads(q, k, v, layouts, d_out.double(), rules=RULES)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    for got, want in zip(leaves, expected_grads):
+        torch.testing.assert_close(got.grad.double(), want, atol=5e-2, rtol=5e-2)
+
+
+def test_a_mask_without_the_kernels_tile_shape_is_refused_with_the_same_message():
+    layouts = omnigen.Layout.batch([omnigen.Layout.parse("text:512")])
+    mask = omnigen.mask(RULES, layouts, device="cuda", head_dim=64, dtype=torch.bfloat16, tiles=[(64, 64)])
+    q, k, v, _ = _inputs(1, 2, 2, 512, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="the mask has no plan for"):
+        torch.ops.omnigen.attention.default(*_op_inputs(q, k, v, mask, False))
+
+
+def test_forgetting_launch_choices_is_harmless():
+    q, k, v, _ = _inputs(1, 2, 2, 300, 64, torch.bfloat16)
+    first = omnigen.attention(q, k, v, "text:300", RULES)
+    native.forget()
+    assert torch.equal(first, omnigen.attention(q, k, v, "text:300", RULES))
