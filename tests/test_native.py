@@ -54,7 +54,9 @@ def test_the_shim_builds_once_and_registers_cuda_kernels(shim_cache, monkeypatch
     assert path == entries[0].path / "omnigen_ops.so"
     stat = path.stat()
     assert _build(shim_cache).stat().st_mtime_ns == stat.st_mtime_ns
-    path.write_bytes(path.read_bytes()[:100])
+    damaged = path.read_bytes()[:100]
+    path.unlink()  # a new file: this process has the library mapped, and truncating that one in place kills it
+    path.write_bytes(damaged)
     assert cache.entry_problem(entries[0].path) is not None
     rebuilt = _build(shim_cache)
     assert cache.entry_problem(rebuilt.parent) is None and rebuilt.stat().st_size == stat.st_size
