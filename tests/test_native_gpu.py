@@ -90,7 +90,7 @@ def test_training_step_through_the_shim_matches_the_reference():
 
 def test_a_mask_without_the_kernels_tile_shape_is_refused_with_the_same_message():
     layouts = omnigen.Layout.batch([omnigen.Layout.parse("text:512")])
-    mask = omnigen.mask(RULES, layouts, device="cuda", head_dim=64, dtype=torch.bfloat16, tiles=[(64, 64)])
+    mask = omnigen.mask(RULES, layouts, device="cuda", head_dim=64, dtype=torch.bfloat16, tiles=[(128, 64)])
     q, k, v, _ = _inputs(1, 2, 2, 512, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="the mask has no plan for"):
         torch.ops.omnigen.attention.default(*_op_inputs(q, k, v, mask, False))
