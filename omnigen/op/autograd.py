@@ -56,7 +56,7 @@ _BelowAutograd = torch._C._AutoDispatchBelowAutograd
 class EagerAttention(torch.autograd.Function):
     """`omnigen::attention` with a plain Function's autograd (eager calls; see the module docstring). Takes the
     op's inputs in the op's order and returns (out, lse). Its forward takes `ctx` itself: a Function with a separate
-    setup_context has every call's arguments bound to the forward's signature by `inspect` (~25 us of host time)."""
+    setup_context has every call's arguments bound to the forward's signature by `inspect` (tens of microseconds)."""
 
     @staticmethod
     def forward(ctx, *inputs):
