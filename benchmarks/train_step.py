@@ -591,6 +591,8 @@ KERNEL_PATTERNS = {
 # Names that look like some attention kernel (or an Inductor template: in this model only FlexAttention's)
 # but match none of the backend's patterns: counted as "unclassified", listed in the JSON, never guessed.
 ATTENTION_LIKE = r"attention|attn|fmha|flash|flex|sdpa|cudnn|softmax|omnigen|triton_tem_"
+# The loss's fused kernels (Inductor names them after log_softmax / nll_loss): the rest of the step, not attention.
+NOT_ATTENTION = r"log_softmax|nll_loss"
 
 
 def classify_kernel(backend: str, name: str) -> str:
@@ -601,7 +603,7 @@ def classify_kernel(backend: str, name: str) -> str:
         return "attn_bwd"
     if re.search(fwd, name):
         return "attn_fwd"
-    if re.search(ATTENTION_LIKE, name, re.IGNORECASE):
+    if re.search(ATTENTION_LIKE, name, re.IGNORECASE) and not re.search(NOT_ATTENTION, name):
         return "unclassified"
     return "rest"
 
