@@ -15,7 +15,7 @@ from typing import Iterable, NamedTuple, Sequence, Union
 import numpy as np
 import torch
 
-from .rules import PAD, Rules
+from .rules import PAD, Rules, closest
 
 _MODALITY_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 MAX_SEQ_LEN = 2**31 - 1
@@ -315,15 +315,20 @@ class Layout:
 
     # -- editing -------------------------------------------------------------------------------
 
-    def pad_to_tiles(self, modalities: Iterable[str], multiple: int) -> tuple["Layout", "PaddingReport"]:
+    def pad_to_tiles(self, modalities: Iterable[str], multiple: int, *,
+                     rules: Rules | None = None) -> tuple["Layout", "PaddingReport"]:
         """Insert `pad` tokens so every segment of the given modalities starts at a multiple of `multiple`.
 
         A segment boundary inside a tile makes that tile partial; aligning image starts to the
         tile size keeps their tiles full. Returns the new layout and a report of what moved.
         The mask between real tokens is unchanged, except that a `window` counts positions, so
         pad inserted inside a window's reach narrows what that window covers.
+
+        Every name must be a modality of this layout -- or, with `rules`, of the rules (so one list
+        serves every layout of a data set, also those that lack a modality); anything else is a
+        ValueError naming the closest valid modality, never a silent "nothing to pad".
         """
-        wanted = set(modalities)
+        wanted = self._padding_modalities(modalities, rules)
         if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
             raise ValueError(f"multiple must be a positive integer, not {multiple!r}")
         out: list[Segment] = []
@@ -342,6 +347,38 @@ class Layout:
             out.append(seg)
             position += seg.length
         return Layout(out), PaddingReport(self, Layout(out), tuple(inserted), multiple)
+
+    def _padding_modalities(self, modalities: Iterable[str], rules: Rules | None) -> set[str]:
+        """`pad_to_tiles`' modality names, checked: each one this layout's (or, with `rules`, the rules')."""
+        if isinstance(modalities, str):
+            raise TypeError(f"modalities must be a list of modality names, e.g. [{modalities!r}], not a string")
+        try:
+            names = list(modalities)
+        except TypeError:
+            raise TypeError(f"modalities must be a list of modality names, e.g. ['image'], "
+                            f"not {type(modalities).__name__}") from None
+        if rules is not None and not isinstance(rules, Rules):
+            raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+        if rules is not None:
+            known, where = rules.modality_names, f"the rules '{rules.name}'"
+        else:
+            known, where = tuple(sorted(self.modalities - {PAD})), "this layout"
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"modalities must be modality names (strings), not {type(name).__name__} {name!r}")
+            if name == PAD:
+                raise ValueError("'pad' is what pad_to_tiles inserts, not a modality to align: name the modalities "
+                                 f"whose segments should start on a tile boundary (those of {where}: "
+                                 f"{', '.join(known) or 'none but pad'})")
+            if name not in known:
+                suggestion = closest(name, known)
+                hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
+                fix = "" if rules is not None else (
+                    "; to name a modality that some layouts lack, pass the rules: "
+                    "pad_to_tiles(modalities, multiple, rules=rules)")
+                raise ValueError(f"pad_to_tiles: modality '{name}' is not in {where}, whose modalities are "
+                                 f"{', '.join(known) or 'none but pad'}{hint}{fix}")
+        return set(names)
 
     def pad_end(self, seq_len: int) -> "Layout":
         """Append `pad` tokens up to `seq_len` (to batch layouts of different lengths)."""

@@ -42,6 +42,11 @@ def _t(*shape, dtype=torch.bfloat16):
 
 Q = _t(1, 4, 32, 64)
 KV = _t(1, 2, 32, 64)
+LAYOUT = omnigen.Layout.parse("text:40 image:256 text:24@1")
+
+
+def _plan_320():
+    return omnigen.plan(RULES, LAYOUT, block_m=128, block_n=64)  # 3 q-tiles, 5 kv-tiles
 
 # (call, exception type, words the message must contain)
 PYTHON_DOORS = [
@@ -78,6 +83,31 @@ PYTHON_DOORS = [
                  ["covers 33 tokens", "sequence length 32"], id="reference-length"),
     pytest.param(lambda: attention_reference(Q, KV, KV, "text:32", "rules.yaml"), TypeError,
                  ["rules must be omnigen.Rules", "not str"], id="reference-rules-type"),
+    # issue 28: the last silent or raw doors
+    pytest.param(lambda: LAYOUT.pad_to_tiles(["imgae"], 128), ValueError,
+                 ["modality 'imgae' is not in this layout", "image, text", "did you mean 'image'?", "rules=rules"],
+                 id="pad-to-tiles-typo"),
+    pytest.param(lambda: omnigen.Layout.parse("text:40").pad_to_tiles(["imgae"], 128, rules=RULES), ValueError,
+                 ["modality 'imgae' is not in the rules 'doors'", "did you mean 'image'?"],
+                 id="pad-to-tiles-typo-with-rules"),
+    pytest.param(lambda: LAYOUT.pad_to_tiles("image", 128), TypeError,
+                 ["a list of modality names", "['image']", "not a string"], id="pad-to-tiles-string"),
+    pytest.param(lambda: LAYOUT.pad_to_tiles(["pad"], 128), ValueError,
+                 ["'pad' is what pad_to_tiles inserts", "image, text"], id="pad-to-tiles-pad"),
+    pytest.param(lambda: _plan_320().forward_tiles(3), IndexError,
+                 ["q_tile=3 is out of range", "3 q-tiles", "block_m=128", "must be in [0, 2]"],
+                 id="forward-tiles-range"),
+    pytest.param(lambda: _plan_320().forward_tiles(-1), IndexError, ["q_tile=-1", "[0, 2]"],
+                 id="forward-tiles-negative"),
+    pytest.param(lambda: _plan_320().backward_tiles(0, batch=1), IndexError,
+                 ["batch=1 is out of range", "a batch of 1 element", "[0, 0]"], id="backward-tiles-batch"),
+    pytest.param(lambda: _plan_320().backward_tiles(7), IndexError, ["kv_tile=7", "block_n=64", "[0, 4]"],
+                 id="backward-tiles-range"),
+    # the head dim is reported before the (missing) GPU
+    pytest.param(lambda: omnigen.build(RULES, head_dim=96), ValueError,
+                 ["head_dim must be one of 64, 128, 256", "not 96"], id="build-head-dim"),
+    pytest.param(lambda: omnigen.build(RULES, head_dim=96, dtype=torch.float32), TypeError,
+                 ["dtype must be torch.bfloat16 or torch.float16", "torch.float32"], id="build-dtype"),
 ]
 
 
@@ -155,6 +185,24 @@ def test_cache_dir_not_writable(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(a_file / "x"))
     with pytest.raises(ValueError, match="is a file"):
         cache.writable_cache_dir()
+
+
+def test_pad_to_tiles_with_rules_accepts_a_modality_the_layout_lacks():
+    padded, report = omnigen.Layout.parse("text:40").pad_to_tiles(["image"], 128, rules=RULES)
+    assert padded == omnigen.Layout.parse("text:40") and report.added_tokens == 0
+    assert LAYOUT.pad_to_tiles(["image"], 128)[1].added_tokens == 88
+
+
+@pytest.mark.parametrize("value", ["abc", "4.5", "eight"])
+def test_max_jobs_that_is_not_a_number(value):
+    """A bad $MAX_JOBS is one line naming it and the fix, exit 2 -- before any rules, toolchain or build."""
+    result = CliRunner().invoke(cli, ["build", "--rules", RULES_FILE], env={"MAX_JOBS": value})
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("omnigen: error: "), result.output
+    for word in (f"MAX_JOBS={value!r}", "whole number", "MAX_JOBS=8", "unset it", "--jobs N"):
+        assert word in lines[0]
+    assert CliRunner().invoke(cli, ["build", "--rules", RULES_FILE, "--jobs", "0"]).exit_code == 2
 
 
 @pytest.mark.parametrize("extra, words", [

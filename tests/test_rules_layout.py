@@ -179,6 +179,6 @@ def test_padding_never_changes_the_mask_between_real_tokens(case):
     r, layout = case
     if r.has_windows:  # windows count positions, pad included: padding is meant for window-free modalities
         r = Rules.from_dict({**r.to_dict(), "modalities": {m.name: m.self for m in r.modalities}})
-    padded, report = layout.pad_to_tiles(list(r.modality_names), 16)
+    padded, report = layout.pad_to_tiles(list(r.modality_names), 16, rules=r)  # (names the layout may lack)
     moved = report.new_positions()
     assert torch.equal(r.dense_mask(padded)[moved][:, moved], r.dense_mask(layout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import click
 
 from ..jit import cache, codegen, regenerate
 from ..jit.toolchain import (
-    BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, visible_gpu_arch,
+    BuildError, ToolchainError, check_arch, default_archs, describe_toolchain, find_toolchain, max_jobs,
+    visible_gpu_arch,
 )
 from ..kernels import family_of, problems
 from ..rules import Rules
@@ -139,7 +141,8 @@ def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache
 @click.option("--rounds", type=click.IntRange(1, 1000), default=None,
               help="with --tune: round-robin timing rounds per shape (default 8, 3 runs each)")
 @click.option("--retune", is_flag=True, help="with --tune: time again even where the database has the results")
-@click.option("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: $MAX_JOBS or the CPU count)")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="parallel compile jobs (default: $MAX_JOBS or the CPU count)")
 @user_errors
 def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, layouts_file: str | None,
           seq_lens: str | None, rounds: int | None, retune: bool, jobs: int | None) -> None:
@@ -151,6 +154,12 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
             raise UserError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --tune: add "
                             f"--tune (omnigen build --rules {rules_path} --tune {' '.join(given)} ...), or drop "
                             f"{'it' if len(given) == 1 else 'them'}")
+    if jobs is None:
+        try:
+            max_jobs()  # a bad $MAX_JOBS is reported now, not as a traceback once the build starts
+        except ToolchainError:
+            raise UserError(f"MAX_JOBS={os.environ.get('MAX_JOBS', '').strip()!r} is not a whole number: "
+                            "set e.g. MAX_JOBS=8, unset it, or pass --jobs N") from None
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
     lengths = _parse_seq_lens(seq_lens)

@@ -383,12 +383,17 @@ def top_ninja(module_files: list[Path]) -> str:
 
 
 def max_jobs() -> int:
+    """ninja's parallelism: $MAX_JOBS, else the CPU count. A $MAX_JOBS that is not a whole number is a
+    ToolchainError saying how to set it (checked before anything is built)."""
     value = os.environ.get("MAX_JOBS", "").strip()
     if value:
         try:
             return max(1, int(value))
         except ValueError:
-            raise ToolchainError(f"MAX_JOBS must be a whole number, not {value!r}") from None
+            raise ToolchainError(
+                f"MAX_JOBS={value!r} is not a whole number of parallel compile jobs. Fix: set one "
+                f"(e.g. MAX_JOBS=8), or unset MAX_JOBS to use the CPU count ({os.cpu_count() or 1} here)"
+            ) from None
     return max(1, os.cpu_count() or 1)
 
 

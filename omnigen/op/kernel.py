@@ -205,8 +205,14 @@ _prepare_kernel_layout = _disable(_prepare_layout, _PLANNING_REASON)
 
 def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str | None, tile: TileConfig | None,
                     family: str | None = None):
+    from ..targets import HEAD_DIMS
+
+    # What is wrong whatever the machine comes first: a CPU-only machine reports the head dim, not only the GPU.
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))} (the head dims omnigen builds "
+                         f"kernels for), not {head_dim!r}")
     if arch is None:
         arch = toolchain.visible_gpu_arch()
         if arch is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -110,11 +111,16 @@ class Plan:
                         self.num_kv_tiles)
 
     def forward_tiles(self, q_tile: int, batch: int = 0) -> dict[str, list[int]]:
-        """kv-tiles of one q-tile, by kind (for inspection and tests)."""
+        """kv-tiles of one q-tile, by kind (for inspection and tests). `q_tile` in [0, num_q_tiles),
+        `batch` in [0, batch_size); anything else is an IndexError that says the range."""
+        _check_tile_index("q_tile", q_tile, self.num_q_tiles, self.seq_len, self.block_m, "block_m")
+        _check_tile_index("batch", batch, self.batch_size)
         return _schedule_row(self.fwd_ptr, self.fwd_kv, batch * self.num_q_tiles + q_tile)
 
     def backward_tiles(self, kv_tile: int, batch: int = 0) -> dict[str, list[int]]:
-        """q-tiles of one kv-tile, by kind."""
+        """q-tiles of one kv-tile, by kind. `kv_tile` in [0, num_kv_tiles), `batch` in [0, batch_size)."""
+        _check_tile_index("kv_tile", kv_tile, self.num_kv_tiles, self.seq_len, self.block_n, "block_n")
+        _check_tile_index("batch", batch, self.batch_size)
         return _schedule_row(self.bwd_ptr, self.bwd_q, batch * self.num_kv_tiles + kv_tile)
 
     def stats(self) -> dict[str, Any]:
@@ -139,6 +145,23 @@ class Plan:
             tables=self.tables if self.tables.device == torch.device(device) else self.tables.to(device),
             **moved,
         )
+
+
+def _check_tile_index(name: str, value: Any, count: int, seq_len: int = 0, block: int = 0, block_name: str = "") -> None:
+    """An index into a plan's tiles (or batch): an int in [0, count), else an error that says the range."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # ints, numpy and 0-d torch integers
+    except TypeError:
+        raise TypeError(f"{name} must be an integer in [0, {count - 1}], not {type(value).__name__} {value!r}") from None
+    if not 0 <= value < count:
+        plural = "s" if count != 1 else ""
+        if block:  # a tile index
+            has = f"{count} {name.split('_')[0]}-tile{plural} ({seq_len} tokens in tiles of {block_name}={block})"
+        else:
+            has = f"a batch of {count} element{plural}"
+        raise IndexError(f"{name}={value} is out of range: this plan has {has}, so {name} must be in [0, {count - 1}]")
 
 
 def _schedule_row(ptr: torch.Tensor, index: torch.Tensor, row: int) -> dict[str, list[int]]:
