@@ -1,4 +1,4 @@
-"""omnigen against its peers on this GPU (DESIGN section 7): what `omnigen bench` and
+"""omnigen against its peers on this GPU (the method: docs/measuring.md): what `omnigen bench` and
 `benchmarks/bench_attention.py` both run (one implementation).
 
 For each head dim D and sequence length S (B = tokens // S batch elements, every one its own layout:
@@ -88,7 +88,7 @@ def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int 
 
 
 def rules_mask_mod(rules: Rules, tables: Any) -> Callable:
-    """A FlexAttention mask_mod evaluating DESIGN section 1 from the layout's per-token tables."""
+    """A FlexAttention mask_mod evaluating the mask (docs/semantics.md) from the layout's per-token tables."""
     rt = rule_tensors(rules, tables.token_segment.device)
     segment, modality, document = tables.token_segment, tables.token_modality, tables.token_doc
     see, causal, window = rt["see"], rt["causal"], rt["window"]

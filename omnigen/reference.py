@@ -1,8 +1,8 @@
 """References: the pair-by-pair mask oracle, float64 attention, and a CPU emulator of the kernels' tile loop.
 
-`allowed_pair` is DESIGN section 1 read literally, one pair at a time, from the segments: the
-oracle the vectorised code is tested against (`omnigen.semantics.tile_predicate`, the predicate the
-generated kernels evaluate on partial tiles).
+`allowed_pair` is the mask's definition (docs/semantics.md) read literally, one pair at a time, from
+the segments: the oracle the vectorised code is tested against (`omnigen.semantics.tile_predicate`,
+the predicate the generated kernels evaluate on partial tiles).
 The emulator walks a `Plan`'s schedules exactly as a kernel does (online softmax forward;
 dK/dV per kv-tile over the backward schedule, dQ accumulated), so a wrong plan gives a wrong
 emulated result.
@@ -25,7 +25,7 @@ from .rules import PAD, Rules
 
 
 def allowed_pair(rules: Rules, layout: Layout, q: int, k: int) -> bool:
-    """DESIGN section 1, literally, for one (query, key) pair. Slow; the oracle for tests."""
+    """The mask's definition (docs/semantics.md), literally, for one (query, key) pair. Slow; the oracle for tests."""
     starts = layout.starts()
     seg_q = max(i for i, s in enumerate(starts) if s <= q)
     seg_k = max(i for i, s in enumerate(starts) if s <= k)

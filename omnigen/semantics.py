@@ -1,8 +1,8 @@
 """The mask's meaning as tensor arithmetic: tile kinds, rule encodings, the per-token predicate.
 
-`tile_predicate` is DESIGN section 1 evaluated on the per-token tables a layout makes (segment,
-modality and document of every token): the same arithmetic the generated kernels run on partial
-tiles, and what `Rules.dense_mask` fills an S x S picture with. Nothing here imports the rest of
+`tile_predicate` is the mask's definition (docs/semantics.md) evaluated on the per-token tables a
+layout makes (segment, modality and document of every token): the same arithmetic the generated
+kernels run on partial tiles, and what `Rules.dense_mask` fills an S x S picture with. Nothing here imports the rest of
 omnigen: rules and layout tables arrive as arguments (anything with their attributes).
 """
 

@@ -2,7 +2,7 @@
 
 For kernel work on one GPU: each (rules, D, S) row times omnigen's forward for every --variants entry
 (FAMILY:TILE, e.g. sm80:128x64w4 sm90:128x128w12) and SDPA flash / cuDNN on the plain causal mask at the
-same shape. Effective TFLOP/s count allowed pairs only (DESIGN section 7); the causal peers count S(S+1)/2.
+same shape. Effective TFLOP/s count allowed pairs only (docs/measuring.md); the causal peers count S(S+1)/2.
 --persistent on/off/both pins the sm90 forward's scheduling (omnigen.kernels.sm90.resources.PERSISTENT;
 default: the tree's setting); "both" times every sm90 variant as a grid of tiles and as a persistent grid
 (labelled +p) in one process.

@@ -1,7 +1,7 @@
 """The pinned-tile scripts' workload and timer, written against omnigen's public API only (build, plan,
 Layout, Rules), so that one script times any source tree the same way (PYTHONPATH=tree).
 
-Workload as in DESIGN section 7: B * S = tokens, Transfusion-style layouts (text runs of 16-512 tokens,
+Workload as in docs/measuring.md: B * S = tokens, Transfusion-style layouts (text runs of 16-512 tokens,
 images of 256 or 1024) or one causal text run per sequence, bf16 inputs from a seeded generator.
 Timer: triton.testing.do_bench's median (warm-up 25 ms, 100 ms of runs), as the earlier runs used.
 """

@@ -1,4 +1,5 @@
-"""Hypothesis strategies: random rule sets and layouts that exercise every corner of DESIGN section 1."""
+"""Hypothesis strategies: random rule sets and layouts that exercise every corner of the mask's definition
+(docs/semantics.md)."""
 
 from __future__ import annotations
 

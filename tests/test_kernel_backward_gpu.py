@@ -663,7 +663,7 @@ def _speed_report(module, head_dim: int, family: str, batch: int = 4, determinis
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
     causal = _timed(lambda: torch.autograd.grad(out, (qq, kk, vv), d_o, retain_graph=True))
-    flops = 2.5 * 4 * D * plan.allowed_pairs * H  # backward = 2.5 x forward (DESIGN section 7: fwd+bwd = 3.5 x)
+    flops = 2.5 * 4 * D * plan.allowed_pairs * H  # backward = 2.5 x forward (docs/measuring.md: fwd+bwd = 3.5 x)
     causal_flops = 2.5 * 4 * D * B * H * S * (S + 1) / 2
     print(f"transfusion S=8192 B={B} H=16 D={D} {family} tile {module.BLOCK_M}x{module.BLOCK_N}: forward {forward * 1e3:.2f} ms "
           f"({flops / 2.5 / forward / 1e12:.0f} TFLOP/s); backward atomic {atomic * 1e3:.2f} ms "

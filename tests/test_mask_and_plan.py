@@ -1,4 +1,4 @@
-"""The dense mask against DESIGN section 1 read literally, and the planner against the dense mask."""
+"""The dense mask against its definition (docs/semantics.md) read literally, and the planner against the dense mask."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def rules_and_layout(draw, max_segments=8, max_length=40):
 
 @settings(max_examples=500)
 @given(rules_and_layout(max_segments=6, max_length=12))
-def test_dense_mask_is_design_section_1(case):
+def test_dense_mask_is_the_definition(case):
     rule_set, layout = case
     mask = rule_set.dense_mask(layout)
     S = layout.seq_len

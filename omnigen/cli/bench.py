@@ -58,7 +58,7 @@ def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: s
     Every peer runs in this process on the same inputs; times are medians of CUDA-event timings after
     warm-up, interleaved round-robin, each peer timed after --settle-ms of its own load (a GPU at its
     power limit runs a burst after a lighter load faster than it sustains). Effective TFLOP/s count
-    allowed pairs only (DESIGN section 7).
+    allowed pairs only (docs/measuring.md in the repository).
     A peer that cannot run a shape (FlexAttention missing, the dense mask out of memory, a backend that
     refuses the inputs) is skipped and listed with the reason.
     """

@@ -5,7 +5,7 @@ Layout under $OMNIGEN_CACHE_DIR (default ~/.cache/omnigen):
     modules/<module>-<key12>/     one installed variant: <module><EXT_SUFFIX>, meta.json, its sources
     locks/<module>-<key12>.lock   flock targets (the kernel drops a lock when its holder dies, so a
                                   file left behind by a killed build never blocks anyone)
-    tuning.json                   the tuning database (omnigen/tune_db.py says what is in it); written
+    tuning.json                   the tuning database (omnigen/tune/db.py says what is in it); written
                                   whole under locks/tuning.lock, through a temp file and os.replace
     tmp/                          builds in progress (<entry>.<pid>.<random>/), moved into modules/
                                   with os.replace once complete; leftovers of dead processes are removed
@@ -456,7 +456,7 @@ def get_host_library(name: str, sources: dict[str, str], include_dirs: Iterable[
 
 
 # ------------------------------------------------------------------------------------------------
-# the tuning database: one JSON file, {"format": N, "entries": {key: entry}}; tune_db.py owns the
+# the tuning database: one JSON file, {"format": N, "entries": {key: entry}}; omnigen/tune/db.py owns the
 # meaning of keys and entries, this module only reads and writes the file.
 
 TUNING_FILE = "tuning.json"

@@ -3,7 +3,7 @@
 Synthetic (per rules file, deterministic for a seed): each sequence alternates the rules' modalities
 in their declared order with realistic lengths -- a causal modality (text-like) 16-512 tokens, a
 full one (image-like) 256 or 1024 tokens -- inside one document, the Transfusion-style workload of
-DESIGN section 7. Rules with a single modality describe document masking (several documents packed
+docs/measuring.md. Rules with a single modality describe document masking (several documents packed
 in a sequence), so there each segment is its own document of 256-4096 tokens. Every sequence is
 cut to exactly the bucket's length, and a batch holds tokens // S sequences (B*S about 32K tokens,
 so every bucket costs about the same to time).
