@@ -1,6 +1,6 @@
 // omnigen: the rule-independent half of a rules file's mask header (<rules>_mask.cuh). That header holds
 // what the rules decide -- modality ids, the self / window / see tables, whether documents are isolated --
-// and this one how a kernel evaluates them: a RowRule per query row, and the predicate (DESIGN section 1)
+// and this one how a kernel evaluates them: a RowRule per query row, and the predicate (docs/semantics.md)
 // for one (query, key) pair of a partial tile.
 #pragma once
 #include <cstdint>
@@ -38,7 +38,7 @@ __host__ __device__ constexpr RowRule derive_row_rule(int query_modality) {
   return rule;
 }
 
-// DESIGN section 1 for one (query, key) pair of a partial tile, under the rules of `Tables` (also
+// The mask (docs/semantics.md) for one (query, key) pair of a partial tile, under the rules of `Tables` (also
 // kIsolatedDocuments and kHasWindows). Positions count from the start of the sequence; segment ids grow
 // along it, so `key_segment < query_segment` means "an earlier segment".
 template <typename Tables>
@@ -56,8 +56,8 @@ __device__ __forceinline__ bool allowed(const RowRule& rule, int query_position,
   return ok;
 }
 
-// DESIGN section 1 for a query and a whole segment other than its own, whose keys share one modality and
-// document: whether the query sees it (before its window). A query's own segment is the self policy, k <= q +
+// The mask (docs/semantics.md) for a query and a whole segment other than its own, whose keys share one modality
+// and document: whether the query sees it (before its window). A query's own segment is the self policy, k <= q +
 // self_reach, and the window is k > q - window: both bounds on the key, so a query row's allowed keys within one
 // segment are one interval, and a partial tile's mask is a union of intervals, one per row and run of a segment
 // (the Hopper forward's run path). `allowed` is the same rule per pair.
