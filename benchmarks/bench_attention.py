@@ -1,4 +1,4 @@
-"""The standard attention workload (DESIGN section 7): omnigen against its peers, one process, one GPU.
+"""The standard attention workload (docs/measuring.md): omnigen against its peers, one process, one GPU.
 
 A thin caller of `omnigen.bench` (the implementation `omnigen bench` runs too): the built-in
 Transfusion rules (text causal, image full; images of 256 or 1024 tokens between text runs of 16-512)

@@ -254,8 +254,9 @@ def attention_pairs(modality_ids: torch.Tensor, document_ids: torch.Tensor, imag
 
 def transfusion_allowed(q: torch.Tensor, k: torch.Tensor, seg_q: torch.Tensor, seg_k: torch.Tensor,
                         doc_q: torch.Tensor, doc_k: torch.Tensor, image_q: torch.Tensor) -> torch.Tensor:
-    """DESIGN section 1 for examples/rules/transfusion.yaml, elementwise (broadcasting): same document, and
-    inside one's own segment causal for text and everything for an image, or any earlier segment."""
+    """The mask semantics (docs/semantics.md) for examples/rules/transfusion.yaml, elementwise (broadcasting):
+    same document, and inside one's own segment causal for text and everything for an image, or any earlier
+    segment."""
     own = (seg_q == seg_k) & (image_q | (k <= q))
     return (doc_q == doc_k) & (own | (seg_k < seg_q))
 
@@ -784,7 +785,7 @@ def run_one(name: str, rules: omnigen.Rules, cfg: ModelConfig, seq_len: int, bat
 
 def step_flops(cfg: ModelConfig, tokens: int, pairs: int) -> float:
     """Training FLOPs of one step: 6 x matmul weights x tokens, plus attention over the allowed pairs at
-    DESIGN section 7's count (forward 4 D pairs Hq, forward+backward 3.5x that)."""
+    docs/measuring.md's count (forward 4 D pairs Hq, forward+backward 3.5x that)."""
     return 6.0 * cfg.matmul_params() * tokens + 3.5 * 4.0 * cfg.head_dim * pairs * cfg.n_heads * cfg.n_layers
 
 

@@ -3,7 +3,7 @@
 //
 // The ops themselves -- schemas, fake kernels, autograd -- are defined in Python (omnigen/op/library.py, which
 // also keeps the Python kernels used where this library is not built); this library only adds CUDA kernels.
-// Built once per torch version by omnigen.jit (cache.get_shim), loaded by omnigen/op/native.py.
+// Built once per torch version by omnigen.jit (cache.get_host_library), loaded by omnigen/op/native/__init__.py.
 //
 // Which module runs a call -- the kernel's tuned forward or backward config for the sequence length -- is asked of
 // Python once per (kernel key, seq_len, head_dim, dtype, device, pass) through the op omnigen::_launch_choice,
@@ -26,12 +26,12 @@
 
 namespace {
 
-// Schedule tensors per tile shape, in omnigen.plan.masks.SCHEDULE_TENSORS' order (omnigen/op/native.py checks it).
+// Schedule tensors per tile shape, in omnigen.plan.masks.SCHEDULE_TENSORS' order (omnigen/op/native/__init__.py checks it).
 enum Schedule : int64_t {
   kFwdPtr, kFwdKv, kBwdPtr, kBwdQ, kPartialSlot, kPartialBits, kPartialSlotBwd, kPartialBitsBwd, kPerShape
 };
 
-// What a module reads besides the arguments every launch takes (omnigen/op/native.py, launch_flags).
+// What a module reads besides the arguments every launch takes (omnigen/op/native/__init__.py: PERSISTENT_FORWARD...).
 enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGqaInKernel = 8 };
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
