@@ -1,8 +1,8 @@
-"""The `omnigen` command line: `app` is the click group, `mask`, `build` and `bench` add their commands to it."""
+"""The `omnigen` command line: `app` is the click group, `mask`, `build` and `bench` add their commands to it
+(each imported when one of its commands is used: app.LAZY_COMMANDS)."""
 
 from __future__ import annotations
 
-from . import bench, build, mask  # noqa: F401  (registers bench; build, inspect, cache; show, plan)
 from .app import UserError, cli
 
 

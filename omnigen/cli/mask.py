@@ -1,4 +1,8 @@
-"""`omnigen show` and `omnigen plan`: look at a mask and its tile plan without a GPU."""
+"""`omnigen show` and `omnigen plan`: look at a mask and its tile plan without a GPU.
+
+The library (layouts, rules, the planner, figures) is imported when a command runs, not with this
+module: `omnigen show --help` needs only click.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,16 @@ import json
 import shutil
 import sys
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import click
 
-from .. import figures
-from ..layout import AnyLayout, Layout
-from ..plan import Plan, PlanMemoryError, plan as make_plan
-from ..rules import Rules
 from .app import UserError, cli, user_errors
+
+if TYPE_CHECKING:
+    from ..layout import AnyLayout
+    from ..plan import Plan
+    from ..rules import Rules
 
 RULES_HELP = "Rules file (YAML), e.g. examples/rules/transfusion.yaml."
 LAYOUT_HELP = (
@@ -27,6 +32,10 @@ BLOCK_N_HELP = "Key columns per tile (a multiple of 16), e.g. --block-n 64."
 
 def _load(rules_path: str, layout_texts: Sequence[str], block_m: int, block_n: int) -> tuple[Rules, AnyLayout, Plan, float]:
     """Rules, layout (or batch), plan and planning seconds; user mistakes become ValueErrors naming the option."""
+    from ..layout import Layout
+    from ..plan import PlanMemoryError, plan as make_plan
+    from ..rules import Rules
+
     rules = Rules.load(rules_path)
     layouts = []
     for text in layout_texts:
@@ -83,6 +92,8 @@ def show(rules_path: str, layouts: tuple[str, ...], block_m: int, block_n: int, 
     none over the tokens it covers); it is drawn only for S <= 8192, above which only the exact
     tile grid is shown (it never needs the S x S mask). The last line sums up the plan.
     """
+    from .. import figures
+
     rules, layout, plan, _ = _load(rules_path, layouts, block_m, block_n)
     if width is None:
         width = shutil.get_terminal_size((100, 24)).columns
@@ -109,6 +120,8 @@ def plan_command(rules_path: str, layouts: tuple[str, ...], block_m: int, block_
       omnigen plan --rules examples/rules/transfusion.yaml --json \\
                    --layout "text:64 image:256" --layout "image:256 text:64"   # a batch of 2
     """
+    from .. import figures
+
     rules, layout, plan, seconds = _load(rules_path, layouts, block_m, block_n)
     if as_json:
         click.echo(json.dumps(plan.stats(), indent=2))
