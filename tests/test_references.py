@@ -26,21 +26,6 @@ PATH_RE = re.compile(r"(?<![\w./~$-])((?:" + "|".join(FOLDERS) + r")/[\w./*<>{}-
 DESIGN_RE = re.compile(r"\bDESIGN(?:\.md\b|\s*§\s*\d*|\s+section\s*\d*)")
 TEMPLATE_CHARS = set("*<>{}")
 
-# TODO(issue 28): references in files this change may not edit (others are editing them); each is one
-# (file, reference) pair, so a new missing reference in the same file still fails the test. Remove an entry
-# once its file no longer has it (test_known_missing_references_still_to_fix lists the ones left).
-KNOWN: set[tuple[str, str]] = {
-    ("README.md", "DESIGN §1"),  # -> docs/semantics.md
-    ("README.md", "DESIGN §7"),  # -> docs/measuring.md
-    ("benchmarks/RESULTS.md", "DESIGN §1"),
-    ("benchmarks/RESULTS.md", "DESIGN §6"),  # the sm_90a path: no document of its own yet
-    ("benchmarks/RESULTS.md", "DESIGN §7"),
-    ("benchmarks/bench_attention.py", "DESIGN section 7"),
-    ("benchmarks/train_step.py", "DESIGN section 1"),
-    ("benchmarks/train_step.py", "DESIGN section 7"),
-    ("omnigen/op/native/ops.cpp", "omnigen/op/native.py"),  # now omnigen/op/native/__init__.py
-}
-
 
 def _tracked_text_files() -> dict[str, str]:
     try:
@@ -83,22 +68,15 @@ def _missing_references() -> list[tuple[str, int, str]]:
 
 
 def test_every_referenced_file_is_in_the_repository():
-    unexpected = [hit for hit in _missing_references() if hit[::2] not in KNOWN]
-    assert not unexpected, (
+    missing = _missing_references()
+    assert not missing, (
         "references to files that are not in the repository (cite docs/semantics.md for the mask's meaning, "
         "docs/measuring.md for how numbers are measured, or the file's current path):\n"
-        + "\n".join(f"  {name}:{line}: {reference}" for name, line, reference in unexpected)
+        + "\n".join(f"  {name}:{line}: {reference}" for name, line, reference in missing)
     )
 
 
-def test_known_missing_references_still_to_fix():
-    left = [hit for hit in _missing_references() if hit[::2] in KNOWN]
-    if left:
-        pytest.xfail("TODO(issue 28), files others are editing: "
-                     + "; ".join(f"{name}:{line}: {reference}" for name, line, reference in left))
-
-
-def test_the_scan_finds_what_it_should(tmp_path):
+def test_the_scan_finds_what_it_should():
     """The patterns themselves: a missing path and a DESIGN citation are found, placeholders are not."""
     line = ("see omnigen/tune_space.py, DESIGN §1, DESIGN section 7 and DESIGN.md; not ~/.cache/omnigen/x.json, "
             "generated/omnigen/x.h, examples/rules/*.yaml or <rules>_mask.cuh")
