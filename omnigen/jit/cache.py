@@ -294,17 +294,21 @@ def _install(v: Variant, build_dir: Path, seconds: float) -> dict:
         "build_seconds": round(seconds, 2),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    _place_entry(build_dir, v.entry, meta)
+    return meta
+
+
+def _place_entry(build_dir: Path, target: Path, meta: dict) -> None:
+    """Drop the build's leftovers, write meta.json last, and move the directory into place as `target`."""
     for leftover in list(build_dir.glob("*.o")) + [build_dir / ".ninja_log", build_dir / ".ninja_deps"]:
         leftover.unlink(missing_ok=True)
     (build_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    target = v.entry
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():  # a corrupt entry: move it aside first (os.replace will not replace a full directory)
         trash = cache_dir() / "tmp" / f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}-stale"
         os.replace(target, trash)
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(build_dir, target)
-    return meta
 
 
 def build_variants(
@@ -441,15 +445,7 @@ def get_host_library(name: str, sources: dict[str, str], include_dirs: Iterable[
                 "build_seconds": round(time.perf_counter() - started, 2),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            for leftover in (build_dir / ".ninja_log", build_dir / ".ninja_deps"):
-                leftover.unlink(missing_ok=True)
-            (build_dir / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            if entry.exists():  # a corrupt entry: move it aside first
-                trash = cache_dir() / "tmp" / f"{entry.name}.{os.getpid()}.{secrets.token_hex(4)}-stale"
-                os.replace(entry, trash)
-                shutil.rmtree(trash, ignore_errors=True)
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(build_dir, entry)
+            _place_entry(build_dir, entry, meta)
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
     return entry / library
@@ -543,6 +539,6 @@ def clear() -> tuple[int, int]:
 
 __all__ = [
     "BuildResult", "EntryInfo", "Variant", "build_variants", "cache_dir", "cache_key", "clear", "entries",
-    "entry_problem", "get_host_library", "get_module", "import_extension", "load", "module_lock", "read_meta", "read_tuning_db",
-    "tuning_db_path", "update_tuning_db", "variant",
+    "entry_problem", "get_host_library", "get_module", "import_extension", "load", "module_lock", "read_meta",
+    "read_tuning_db", "tuning_db_path", "update_tuning_db", "variant",
 ]

@@ -152,6 +152,19 @@ def _check_lists(schedules: list[torch.Tensor], tiles: list[int]) -> None:
                          f"({PER_SHAPE} per shape: {', '.join(SCHEDULE_TENSORS)})")
 
 
+def pass_module(kernel: str, q: torch.Tensor, backward: bool) -> tuple[Any, Any]:
+    """(config, module) of the pass a call of q's sequence length runs for a kernel key; RuntimeError when the
+    backward is asked of a module that has none. The Python kernels below and the op shim (op/native/) both use it."""
+    found = resolve(kernel, q)
+    choice = found.choice(q.shape[2])
+    config = choice.backward if backward else choice.forward
+    module = found.module_for(config)
+    if backward and not has_backward(module):
+        raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
+                           f"{capabilities(module).backward_problem or 'rebuild with a newer omnigen'}")
+    return config, module
+
+
 @torch.library.custom_op("omnigen::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules: list[torch.Tensor], tiles: list[int],
@@ -159,12 +172,11 @@ def attention_op(
     kernel: str, scale: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lists(schedules, tiles)
-    found = resolve(kernel, q)
-    config = found.choice(q.shape[2]).forward
+    config, module = pass_module(kernel, q, backward=False)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)
     q, k, v = (kernel_ready(t) for t in (q, k, v))
-    return family_of(config).forward(found.module_for(config), plan, q, k, v, scale)
+    return family_of(config).forward(module, plan, q, k, v, scale)
 
 
 @attention_op.register_fake
@@ -181,12 +193,7 @@ def attention_backward_op(
     kernel: str, scale: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_lists(schedules, tiles)
-    found = resolve(kernel, q)
-    config = found.choice(q.shape[2]).backward
-    module = found.module_for(config)
-    if not has_backward(module):
-        raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
-                           f"{capabilities(module).backward_problem or 'rebuild with a newer omnigen'}")
+    config, module = pass_module(kernel, q, backward=True)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)
     q, k, v, out, d_out = (kernel_ready(t) for t in (q, k, v, out, d_out))

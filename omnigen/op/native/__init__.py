@@ -55,14 +55,8 @@ _callbacks.define("_dq_ranks(Tensor fwd_ptr, Tensor fwd_kv, Tensor bwd_ptr, Tens
 def launch_choice(kernel: str, q: torch.Tensor, backward: bool) -> torch.Tensor:
     """What the shim runs for a call: int64 [block_m, block_n, forward, backward, delta launch addresses, flags,
     launch ABI] of the module the kernel key picks for q's sequence length, head dim, dtype and device."""
-    found = library.resolve(kernel, q)
-    choice = found.choice(q.shape[2])
-    config = choice.backward if backward else choice.forward
-    module = found.module_for(config)
+    config, module = library.pass_module(kernel, q, backward)
     caps = capabilities(module)
-    if backward and not caps.has_backward:
-        raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
-                           f"{caps.backward_problem or 'rebuild with a newer omnigen'}")
     if caps.launch_abi is None:
         raise RuntimeError(f"{getattr(module, 'MODULE_NAME', module)} exports no native launches: it was built by an "
                            "older omnigen; clear the kernel cache (omnigen cache clear) to rebuild it")
