@@ -1,0 +1,212 @@
+"""Does a source refactor leave the machine code as it was? SASS of representative default variants, per kernel.
+
+Renders each variant with the tree's omnigen.jit.codegen, compiles every translation unit it renders (a `.cu`
+file no other rendered file includes) to a cubin with the build's nvcc flags, and writes per kernel its SASS with
+addresses, encodings and names normalised away (cuobjdump --dump-sass), plus its resource usage (registers,
+stack, shared memory: cuobjdump --dump-resource-usage). Kernels are keyed by their short name and template
+arguments (forward_kernel, hopper_dkdv_kernel<true>, dkdv_kernel, dq_kernel, delta_kernel), so moving a kernel
+into another namespace or translation unit changes nothing here.
+
+    python scripts/sass_compare.py --tree /tmp/base --out /tmp/sass-before    # an older tree (git worktree)
+    python scripts/sass_compare.py --out /tmp/sass-after --against /tmp/sass-before
+
+Variants (--preset default): the transfusion and causal_documents rules of examples/rules, head dims 64, 128,
+256, bf16, sm_90a, each family default tile (forward and backward); plus sm_80 d64 / d128 transfusion.
+--variant RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY] adds single ones. Needs nvcc and cuobjdump
+(`pip install nvidia-cuda-cuobjdump`; found on PATH or under site-packages/nvidia/cu13/bin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_NAME = re.compile(r"(hopper_dkdv_kernel|forward_kernel|dkdv_kernel|dq_kernel|delta_kernel)")
+INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*(/\*\s*0x[0-9a-f]+\s*\*/)?\s*$")
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # type: ignore
+
+        candidate = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "cuobjdump"
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump==13.2.51")
+
+
+def kernel_key(mangled: str) -> str:
+    """forward_kernel, hopper_dkdv_kernel<true>, ...: the short name plus bool template arguments."""
+    match = KERNEL_NAME.search(mangled)
+    name = match.group(1) if match else mangled
+    rest = mangled[match.end():] if match else ""
+    template = re.match(r"I((?:Lb[01]E)+)E", rest)
+    if template:
+        name += "<" + ",".join("true" if b == "1" else "false" for b in re.findall(r"Lb([01])E", template.group(1))) + ">"
+    return name
+
+
+def normalised_sass(text: str) -> dict[str, list[str]]:
+    """Per kernel, its instructions without addresses and encodings."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        match = re.match(r"\s*Function : (\S+)", line)
+        if match:
+            current = out.setdefault(kernel_key(match.group(1)), [])
+            continue
+        match = INSTRUCTION.match(line)
+        if match and current is not None:
+            current.append(re.sub(r"\s+", " ", match.group(1)).strip())
+    return out
+
+
+def resource_usage(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"\s*Function (\S+):", line)
+        if match:
+            current = kernel_key(match.group(1))
+            continue
+        if current is not None and "REG:" in line:
+            out[current] = re.sub(r"\s+", " ", line.strip())
+            current = None
+    return out
+
+
+def load_rules(omnigen_rules, name: str):
+    path = Path(name)
+    if not path.is_file():
+        path = ROOT / "examples" / "rules" / f"{name}.yaml"
+    return omnigen_rules.Rules.load(path)
+
+
+def translation_units(sources: dict[str, str]) -> list[str]:
+    included = {name for name in sources for text in sources.values() if f'#include "{name}"' in text}
+    return sorted(name for name in sources if name.endswith(".cu") and name not in included)
+
+
+def compile_variant(modules, rules_name: str, config) -> dict:
+    codegen, toolchain, kernels, rules_module = modules
+    rules = load_rules(rules_module, rules_name)
+    sources = codegen.render(rules, config)
+    flags = [f for f in toolchain.nvcc_flags(config) if not f.startswith(("-Xcompiler", "-Xptxas"))]
+    includes = ["-I" + str(d) for d in kernels.family_of(config).include_dirs]
+    sass: dict[str, list[str]] = {}
+    usage: dict[str, str] = {}
+    tool = cuobjdump()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name, text in sources.items():
+            (work / name).write_text(text)
+        for unit in translation_units(sources):
+            cubin = work / (unit + ".cubin")
+            command = ["nvcc", *flags, "-cubin", "-o", str(cubin), *includes, "-I" + str(work), str(work / unit)]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{rules_name} {config.label} {unit}:\n{result.stdout}{result.stderr}")
+            dumped = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+            for kernel, lines in normalised_sass(dumped).items():
+                if kernel in sass:
+                    raise RuntimeError(f"{rules_name} {config.label}: {kernel} in two translation units")
+                sass[kernel] = lines
+            dumped = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                                    check=True).stdout
+            usage.update(resource_usage(dumped))
+    return {"variant": f"{rules_name}:{config.label}", "sass": sass, "usage": usage}
+
+
+def variants(modules, preset: str, extra: list[str]) -> list[tuple[str, object]]:
+    _, _, kernels, _ = modules
+    from omnigen.targets import KernelConfig, TileConfig
+
+    out = []
+    if preset == "default":
+        for rules_name in ("transfusion", "causal_documents"):
+            for head_dim in (64, 128, 256):
+                out.append((rules_name, KernelConfig(head_dim, "bf16", "sm_90a", kernels.default_tile("sm_90a", head_dim))))
+        for head_dim in (64, 128):
+            out.append(("transfusion", KernelConfig(head_dim, "bf16", "sm_80", kernels.default_tile("sm_80", head_dim))))
+    for text in extra:
+        rules_name, dtype, head_dim, tile, arch, *family = text.split(":")
+        m, n, w, s = (int(x) for x in tile.lower().split("x"))
+        out.append((rules_name, KernelConfig(int(head_dim), dtype, arch, TileConfig(m, n, w, s),
+                                             kernel_family="".join(family))))
+    return out
+
+
+def file_name(variant: str, kernel: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", variant) + "__" + re.sub(r"[^A-Za-z0-9_.-]+", "_", kernel) + ".sass"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the source tree whose omnigen renders (default: this one)")
+    parser.add_argument("--preset", choices=("default", "none"), default="default")
+    parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY]")
+    parser.add_argument("--out", type=Path, required=True, help="write <variant>__<kernel>.sass and usage.json here")
+    parser.add_argument("--against", type=Path, help="compare with an earlier --out folder")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(args.tree.resolve()))
+    from omnigen import kernels, rules as rules_module
+    from omnigen.jit import codegen, toolchain
+
+    modules = (codegen, toolchain, kernels, rules_module)
+    chosen = variants(modules, args.preset, args.variant)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        entries = list(pool.map(lambda v: compile_variant(modules, *v), chosen))
+    args.out.mkdir(parents=True, exist_ok=True)
+    usage = {}
+    for entry in entries:
+        for kernel, lines in entry["sass"].items():
+            (args.out / file_name(entry["variant"], kernel)).write_text("\n".join(lines) + "\n")
+        usage[entry["variant"]] = entry["usage"]
+        print(f"{entry['variant']:60s} " + ", ".join(f"{k} {len(v)}" for k, v in sorted(entry["sass"].items())))
+    (args.out / "usage.json").write_text(json.dumps(usage, indent=1, sort_keys=True))
+    if args.against is None:
+        return 0
+    before_usage = json.loads((args.against / "usage.json").read_text())
+    differences = 0
+    print(f"\nagainst {args.against}:")
+    for entry in entries:
+        variant = entry["variant"]
+        prefix = re.sub(r"[^A-Za-z0-9_.-]+", "_", variant) + "__"
+        old_kernels = {p.name for p in args.against.glob(prefix + "*.sass")}
+        new_kernels = {file_name(variant, k) for k in entry["sass"]}
+        for name in sorted(old_kernels | new_kernels):
+            old = (args.against / name).read_text().splitlines() if name in old_kernels else None
+            new = (args.out / name).read_text().splitlines() if name in new_kernels else None
+            if old == new:
+                continue
+            differences += 1
+            if old is None or new is None:
+                print(f"  {name}: {'new' if old is None else 'gone'}")
+                continue
+            diff = list(difflib.unified_diff(old, new, lineterm="", n=0))
+            print(f"  {name}: {len(old)} -> {len(new)} instructions, {sum(1 for d in diff if d[:1] in '+-') - 2} lines differ")
+        if before_usage.get(variant) != entry["usage"]:
+            differences += 1
+            print(f"  {variant} resource usage: {before_usage.get(variant)} -> {entry['usage']}")
+    print(f"  {differences} difference(s)")
+    return 1 if differences else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
