@@ -32,7 +32,7 @@ def _tensors(B=1, H=2, S=16, D=64, dtype=torch.bfloat16, device="cpu"):
     [
         (lambda q, k, v: ("not a tensor", k, v), TypeError, "q must be a torch.Tensor"),
         (lambda q, k, v: (q[0], k, v), ValueError, "4 dimensions"),
-        (lambda q, k, v: (q, k, v), ValueError, "CUDA tensors"),  # CPU tensors
+        (lambda q, k, v: (q.to("meta"), k.to("meta"), v.to("meta")), ValueError, "CUDA tensors"),  # neither CUDA nor CPU
     ],
 )
 def test_bad_inputs_are_named(change, error, fragment):
@@ -42,7 +42,7 @@ def test_bad_inputs_are_named(change, error, fragment):
 
 
 def test_attention_checks_before_building():
-    q, k, v = _tensors()
+    q, k, v = (t.to("meta") for t in _tensors())
     with pytest.raises(ValueError, match="CUDA tensors"):
         omnigen.attention(q, k, v, "text:16", RULES)
     with pytest.raises(TypeError, match="rules must be omnigen.Rules"):

@@ -16,10 +16,24 @@ from ..errors import InputError, tensor_problem
 from ..kernels import DTYPE_NAMES
 from ..layout import as_layout
 from ..targets import HEAD_DIMS
+from . import cpu
 
 # Device types the kernels run on. Tests that stand a CPU emulator in for the kernels add "cpu".
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
-CPU_PATH = "for a float64 result on the CPU use omnigen.reference.attention_reference(q, k, v, layout, rules)"
+# The device type served by the PyTorch path (op/cpu.py) where no kernel runs, and the dtypes it takes.
+HOST_DEVICE = "cpu"
+HOST_DTYPES = cpu.DTYPES
+WHERE_IT_RUNS = ("omnigen runs CUDA tensors on its kernels and CPU tensors on a PyTorch path for tests and debugging "
+                 "(move them with .cuda() or .cpu())")
+
+
+def _served(device: torch.device) -> bool:
+    return device.type in DEVICE_TYPES or device.type == HOST_DEVICE
+
+
+def _dtype_names(dtypes) -> str:
+    names = [str(d) for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None,
@@ -35,18 +49,22 @@ def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None
             problems.append(problem)
         else:
             tensors[name] = t
-    off_gpu = [name for name, t in tensors.items() if t.device.type not in DEVICE_TYPES]
-    if off_gpu:
-        where = sorted({str(tensors[name].device) for name in off_gpu})
-        problems.append(f"{', '.join(off_gpu)} {'is' if len(off_gpu) == 1 else 'are'} on {', '.join(where)}; omnigen "
-                        f"kernels run on CUDA tensors (move them with .cuda()); {CPU_PATH}")
-    if len({t.device for t in tensors.values()}) > 1 and not off_gpu:
+    elsewhere = [name for name, t in tensors.items() if not _served(t.device)]
+    if elsewhere:
+        where = sorted({str(tensors[name].device) for name in elsewhere})
+        problems.append(f"{', '.join(elsewhere)} {'is' if len(elsewhere) == 1 else 'are'} on {', '.join(where)}; "
+                        f"{WHERE_IT_RUNS}")
+    if len({t.device for t in tensors.values()}) > 1 and not elsewhere:
         problems.append(f"q, k and v must be on one device, got {', '.join(str(tensors[n].device) for n in tensors)}")
     for name, t in tensors.items():
+        on_host = t.device.type == HOST_DEVICE and HOST_DEVICE not in DEVICE_TYPES
         if dtype is not None and t.dtype != dtype:
             problems.append(f"{name} is {t.dtype}, but this kernel was built for {dtype} "
                             f"(build another with omnigen.build(..., dtype={t.dtype}), or convert with .to({dtype}))")
-        elif dtype is None and t.dtype not in DTYPE_NAMES:
+        elif dtype is None and on_host and t.dtype not in HOST_DTYPES:
+            problems.append(f"{name} is {t.dtype}; omnigen on the CPU takes {_dtype_names(HOST_DTYPES)} "
+                            f"(convert with .to(torch.float32))")
+        elif dtype is None and not on_host and t.dtype not in DTYPE_NAMES:
             problems.append(f"{name} is {t.dtype}; omnigen kernels take torch.bfloat16 or torch.float16 "
                             f"(convert with .to(torch.bfloat16))")
     if len(tensors) == 3 and dtype is None and len({t.dtype for t in tensors.values()}) > 1:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..errors import cuda_problem
 from ..jit import cache, toolchain
 from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check, default_backward
 from ..layout import AnyLayout, Layout, LayoutBatch, as_layout
@@ -29,8 +30,8 @@ from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
 from . import autograd  # registers the op's backward; EagerAttention
-from . import library, native
-from .library import has_backward
+from . import cpu, library, native
+from .library import has_backward, on_host_path
 from .checks import check_call, check_layout_against, check_mask, check_tensors
 
 _PLAN_CACHE_SIZE = 16
@@ -155,7 +156,7 @@ class Kernel:
         `partial_bits` as for `omnigen.mask`."""
         layout = as_layout(layout)
         check_layout_against(layout, self.rules, batch or layout.batch_size, layout.seq_len)
-        device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        device = _mask_device(device if device is not None else "cuda")
         return make_mask(self.rules, layout, self.tile_shapes(layout.seq_len), device, batch, partial_bits)
 
     def _mask_for_layout(self, layout: AnyLayout, batch: int, device: torch.device) -> Mask:
@@ -325,9 +326,17 @@ library.set_rules_resolver(_resolve_rules_key)
 tune_db.on_record(native.forget)  # a "rules:" key may resolve to newly tuned configs
 
 
+# Plain layouts planned for the CPU path (op/cpu.py), which needs no kernel: (rules, layout, batch) -> Mask.
+_HOST_MASKS = _Recent()
+
+
 def _prepare_rules_layout(rules: Rules, layout: Any, q: torch.Tensor) -> Mask:
     layout = as_layout(layout)
     check_layout_against(layout, rules, q.shape[0], q.shape[2])
+    if on_host_path(q):
+        batch = q.shape[0]
+        return _HOST_MASKS.get_or_make((rules.key, layout, batch), lambda: mask_from_plans(
+            rules, _batched(layout, batch), [plan(rules, _batched(layout, batch), *cpu.TILE, device="cpu")]))
     kernel = kernel_for(rules, q.shape[-1], q.dtype, q.device)
     return kernel._mask_for_layout(layout, q.shape[0], q.device)
 
@@ -347,7 +356,11 @@ def attention(
     deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked attention for `rules` over `layout` (or over a mask, which carries its rules); builds the
-    variant on first use (cached in-process)."""
+    variant on first use (cached in-process).
+
+    CPU tensors (float32, float64, bfloat16 or float16) run a plan-driven PyTorch path instead of a kernel, for
+    tests and debugging (op/cpu.py): the same arguments, checks, outputs and autograd, in O(S * D) memory, far
+    slower than a GPU."""
     if isinstance(layout, Mask):
         if rules is not None and (not isinstance(rules, Rules) or rules.key != layout.rules_key):
             raise ValueError("the rules given differ from the mask's: pass the mask alone, "
@@ -395,12 +408,28 @@ def mask(
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     layout = as_layout(layout)
     check_layout_against(layout, rules, batch or layout.batch_size, layout.seq_len)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _mask_device(device if device is not None else "cpu")
     if tiles is None:
         tiles = candidate_tile_shapes(rules, layout.seq_len, device, head_dim, dtype)
     return make_mask(rules, layout, tiles, device, batch, partial_bits)
+
+
+def _mask_device(device: torch.device | str) -> torch.device:
+    """Where a mask is made: a torch.device (a CUDA one with its index), or a ValueError that says what to do,
+    instead of torch's own assertion when this machine has no CUDA."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a device: pass 'cuda', 'cuda:N' or 'cpu' "
+                         f"({str(exc).splitlines()[0].rstrip(' -')})") from None
+    if device.type == "cuda":
+        problem = cuda_problem()
+        if problem:
+            raise ValueError(f"device={str(device)!r}: {problem}; on this machine make the mask with device='cpu' "
+                             "and call omnigen.attention with CPU tensors (a PyTorch path, for tests and debugging)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head_dim: int | None = None,

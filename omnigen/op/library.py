@@ -18,9 +18,11 @@ as one node (it never traces the launch code, which reads raw pointers and the C
   device of q).
 - token tables: int32 [B, S], the layout's segment, modality and document of every token.
 
-`register_fake` gives the output shapes (for FakeTensor tracing), `op/autograd.py` registers the
-backward. The kernels behind the string keys live in in-process registries (`register_kernel`, and the
-resolver `op/kernel.py` installs for "rules:" keys); nothing here imports the layer that makes them.
+On CPU tensors both ops run the PyTorch path of `op/cpu.py` (for tests and debugging) with the rules the key
+names, on whichever of the mask's tile shapes is largest; no kernel is built. `register_fake` gives the output
+shapes (for FakeTensor tracing), `op/autograd.py` registers the backward. The kernels behind the string keys
+live in in-process registries (`register_kernel`, and the resolver `op/kernel.py` installs for "rules:" keys);
+nothing here imports the layer that makes them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch
 from ..kernels import capabilities, family_of, kernel_ready
 from ..plan.masks import PER_SHAPE, SCHEDULE_TENSORS
 from ..plan.schedule import dq_ranks
+from ..rules import rules_for_key
+from . import checks, cpu
 
 KERNEL_PREFIX = "kernel:"
 RULES_PREFIX = "rules:"
@@ -68,6 +72,35 @@ def resolve(kernel: str, q: torch.Tensor) -> Any:
     if kernel.startswith(RULES_PREFIX) and _rules_resolver is not None:
         return _rules_resolver(kernel[len(RULES_PREFIX):], q.shape[-1], q.dtype, q.device)
     raise ValueError(f"omnigen::attention: kernel must be 'kernel:<key>' or 'rules:<key>', not {kernel!r}")
+
+
+def rules_of(kernel: str) -> Any:
+    """The Rules a kernel key stands for, without building anything (what the CPU path needs of a key)."""
+    if kernel.startswith(KERNEL_PREFIX):
+        found = _KERNELS.get(kernel)
+        if found is None:
+            raise ValueError(f"omnigen::attention: no kernel {kernel!r} in this process")
+        return found.rules
+    if kernel.startswith(RULES_PREFIX):
+        try:
+            return rules_for_key(kernel[len(RULES_PREFIX):])
+        except KeyError:
+            raise ValueError(f"omnigen::attention: the rules {kernel[len(RULES_PREFIX):]!r} are not alive in this "
+                             "process") from None
+    raise ValueError(f"omnigen::attention: kernel must be 'kernel:<key>' or 'rules:<key>', not {kernel!r}")
+
+
+def on_host_path(q: torch.Tensor) -> bool:
+    """Whether a call runs the CPU path (op/cpu.py): CPU tensors, unless tests stand an emulator of the kernels
+    in on the CPU (they add "cpu" to checks.DEVICE_TYPES, the device types the kernels run on)."""
+    return q.device.type == "cpu" and "cpu" not in checks.DEVICE_TYPES
+
+
+def host_schedules(schedules: list[torch.Tensor], tiles: list[int], tables: TokenTables) -> Schedules:
+    """The CPU path's pick of a mask's tile shapes: the largest (fewest trips through its Python loop)."""
+    shapes = [(tiles[i], tiles[i + 1]) for i in range(0, len(tiles), 2)]
+    block_m, block_n = max(shapes, key=lambda shape: (shape[0] * shape[1], shape[0]))
+    return schedules_for(schedules, tiles, tables, block_m, block_n)
 
 
 def has_backward(module: Any) -> bool:
@@ -172,6 +205,9 @@ def attention_op(
     kernel: str, scale: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lists(schedules, tiles)
+    if on_host_path(q):
+        plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
+        return cpu.forward(rules_of(kernel), plan, q, k, v, scale)
     config, module = pass_module(kernel, q, backward=False)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)
@@ -193,6 +229,9 @@ def attention_backward_op(
     kernel: str, scale: float, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_lists(schedules, tiles)
+    if on_host_path(q):
+        plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
+        return cpu.backward(rules_of(kernel), plan, q, k, v, out, lse, d_out, scale)
     config, module = pass_module(kernel, q, backward=True)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)

@@ -1,0 +1,171 @@
+"""Attention on the CPU: what `omnigen::attention` and `omnigen::attention_backward` run for CPU tensors.
+
+For tests and debugging (a model that calls omnigen, unit-tested on a laptop or in CPU CI), not for speed:
+it is plain PyTorch, a Python loop over q-tiles. It walks a mask's forward schedule the way the kernels do --
+empty tiles are never visited, full tiles get no mask work, causal tiles one compare, partial tiles the
+rules' predicate (`omnigen.semantics.tile_predicate`) -- and keeps memory at O(S * D) plus a bounded chunk of
+scores: per q-tile an online softmax over its kv-tiles, never an S x S tensor. Consecutive kv-tiles of one
+kind are taken as one span (up to `CHUNK_ELEMENTS` scores at a time), which is where a CPU's time goes best:
+fewer, larger matrix products.
+
+Accumulation is in float32 (float64 for float64 inputs); the outputs come back in the inputs' dtype, the
+log-sum-exp in float32 as on CUDA. The backward recomputes each span's probabilities from the saved
+log-sum-exp, the same q-tile walk (dQ per q-tile, dK and dV accumulated per span), so it too stays at
+O(S * D). GQA: a kv head's group of query heads is one matrix of g * block_m rows, so K and V are never
+repeated per query head.
+
+`schedules` below is anything with a plan's attributes: `block_m`, `block_n`, `fwd_ptr`, `fwd_kv`, `batch_size`,
+`seq_len`, and `tables` (the per-token segment, modality and document tables) -- an `omnigen.plan.Plan` or the
+op's `library.Schedules`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from ..semantics import CAUSAL, FULL, SCHEDULE_KINDS, rule_tensors, tile_predicate
+
+# The dtypes this path takes; the kernels take only the half-precision ones.
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# The tile shape a plain layout is planned with for this path: 128 query rows keep the Python loop short at
+# long S, and full runs of kv-tiles are merged into spans anyway, so block_n matters little.
+TILE = (128, 128)
+# Scores one span may hold (all query heads of a q-tile times the span's keys): 4 MiB in float32. Spans of
+# more kv-tiles are cut; a single tile is never cut, so the bound is max(this, Hq * block_m * block_n).
+CHUNK_ELEMENTS = 1 << 20
+
+Span = tuple[int, int, int]  # (tile kind, first key, one past the last key)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows(schedules: Any, heads: int) -> Iterator[tuple[int, int, int, list[Span]]]:
+    """(batch element, first query, one past the last, spans) for every q-tile that visits any kv-tile.
+
+    A span is a run of consecutive kv-tiles of one kind in the q-tile's schedule, cut to CHUNK_ELEMENTS scores.
+    Found with a few vectorised passes over the schedule, so the Python loop runs per span, not per tile."""
+    bm, bn, S = schedules.block_m, schedules.block_n, schedules.seq_len
+    nq = -(-S // bm)
+    groups = 3 * schedules.batch_size * nq  # (q-tile row, kind) groups of the CSR schedule
+    ptr = schedules.fwd_ptr[: groups + 1].long()
+    total = int(ptr[-1])
+    if total == 0:
+        return
+    kv = schedules.fwd_kv[:total].long()  # a mask's buffers may be longer than its plan
+    group = torch.repeat_interleave(torch.arange(groups), ptr[1:] - ptr[:-1])
+    starts_run = torch.ones(total, dtype=torch.bool)
+    starts_run[1:] = (kv[1:] != kv[:-1] + 1) | (group[1:] != group[:-1])
+    first = starts_run.nonzero().squeeze(1)
+    last = torch.cat([first[1:], torch.tensor([total])]) - 1
+    most = max(1, CHUNK_ELEMENTS // (heads * bm * bn))  # kv-tiles per span
+    spans: dict[int, list[Span]] = {}
+    for g, j0, j1 in zip(group[first].tolist(), kv[first].tolist(), kv[last].tolist()):
+        row, kind = divmod(g, 3)
+        out = spans.setdefault(row, [])
+        for a in range(j0, j1 + 1, most):
+            out.append((SCHEDULE_KINDS[kind], a * bn, min((min(j1, a + most - 1) + 1) * bn, S)))
+    for row in sorted(spans):
+        b, i = divmod(row, nq)
+        yield b, i * bm, min((i + 1) * bm, S), spans[row]
+
+
+class _Masker:
+    """Masks a span's scores in place by its kind: nothing for full, one compare for causal, the rules' predicate
+    (from the per-token tables) for partial."""
+
+    def __init__(self, rules: Any, schedules: Any) -> None:
+        self.rules, self.tables = rules, schedules.tables
+        self.rule_t = rule_tensors(rules, "cpu")
+
+    def apply_(self, scores: torch.Tensor, kind: int, b: int, r0: int, r1: int, c0: int, c1: int) -> None:
+        if kind == FULL:
+            return
+        rows = torch.arange(r0, r1)
+        cols = torch.arange(c0, c1)
+        if kind == CAUSAL:
+            allowed = cols[None, :] <= rows[:, None]
+        else:
+            allowed = tile_predicate(self.rules, self.tables, b, rows, cols, self.rule_t)
+        heads = scores.shape[0]
+        scores.view(heads, -1, r1 - r0, c1 - c0).masked_fill_(~allowed, float("-inf"))
+
+
+def _group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[Hq, m, D] -> [Hkv, g * m, D]: a kv head's query heads stacked, so one product serves the group."""
+    return x.reshape(kv_heads, -1, x.shape[-1])
+
+
+def forward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32): masked attention over the schedule's tiles.
+
+    Rows that see no key (no visited tile, or every visited key masked) give zeros and -inf."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    acc = _accumulator(q.dtype)
+    qc, kc, vc = (t.detach().to(acc) for t in (q, k, v))
+    out = torch.zeros(B, Hq, S, D, dtype=q.dtype)
+    lse = torch.full((B, Hq, S), float("-inf"), dtype=torch.float32)
+    masker = _Masker(rules, schedules)
+    with torch.no_grad():
+        for b, r0, r1, spans in _rows(schedules, Hq):
+            qb = _group_rows(qc[b, :, r0:r1] * scale, Hkv)
+            rows = qb.shape[1]
+            row_max = torch.full((Hkv, rows), float("-inf"), dtype=acc)
+            row_sum = torch.zeros(Hkv, rows, dtype=acc)
+            o = torch.zeros(Hkv, rows, D, dtype=acc)
+            for kind, c0, c1 in spans:
+                s = torch.matmul(qb, kc[b, :, c0:c1].transpose(-1, -2))
+                masker.apply_(s, kind, b, r0, r1, c0, c1)
+                new_max = torch.maximum(row_max, s.amax(-1))
+                # A row every key of which is masked so far keeps max -inf; subtracting 0 leaves exp(-inf) = 0.
+                safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
+                p = s.sub_(safe.unsqueeze(-1)).exp_()
+                alpha = (row_max - safe).exp_()
+                row_sum.mul_(alpha).add_(p.sum(-1))
+                o.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vc[b, :, c0:c1])
+                row_max = new_max
+            seen = row_sum > 0
+            o.mul_(torch.where(seen, row_sum.reciprocal(), 0.0).unsqueeze(-1))
+            out[b, :, r0:r1] = o.view(Hq, r1 - r0, D)
+            row_lse = torch.where(seen, row_max + row_sum.log(), float("-inf"))
+            lse[b, :, r0:r1] = row_lse.view(Hq, r1 - r0)
+    return out, lse
+
+
+def backward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, d_out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, in the inputs' dtypes: the same walk as `forward`, each span's probabilities
+    recomputed from `lse` (no stored attention matrix); rows of lse -inf get zero gradients."""
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    acc = _accumulator(q.dtype)
+    qc, kc, vc = (t.detach().to(acc) for t in (q, k, v))
+    dq = torch.zeros(B, Hq, S, D, dtype=acc)
+    dk = torch.zeros(B, Hkv, S, D, dtype=acc)
+    dv = torch.zeros(B, Hkv, S, D, dtype=acc)
+    masker = _Masker(rules, schedules)
+    with torch.no_grad():
+        for b, r0, r1, spans in _rows(schedules, Hq):
+            qb = _group_rows(qc[b, :, r0:r1], Hkv)
+            dob = _group_rows(d_out[b, :, r0:r1].to(acc), Hkv)
+            delta = (dob * _group_rows(out[b, :, r0:r1].to(acc), Hkv)).sum(-1, keepdim=True)  # rowsum(dO * O)
+            row_lse = lse[b, :, r0:r1].to(acc).reshape(Hkv, -1, 1)
+            # An empty row (lse -inf) has every visited score masked: -inf - inf gives p = 0, never NaN.
+            row_lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
+            dqb = torch.zeros_like(qb)
+            for kind, c0, c1 in spans:
+                ks, vs = kc[b, :, c0:c1], vc[b, :, c0:c1]
+                s = torch.matmul(qb, ks.transpose(-1, -2)).mul_(scale)
+                masker.apply_(s, kind, b, r0, r1, c0, c1)
+                p = s.sub_(row_lse).exp_()
+                dv[b, :, c0:c1].baddbmm_(p.transpose(-1, -2), dob)
+                ds = torch.matmul(dob, vs.transpose(-1, -2)).sub_(delta).mul_(p)
+                dk[b, :, c0:c1].baddbmm_(ds.transpose(-1, -2), qb, alpha=scale)
+                dqb.baddbmm_(ds, ks)
+            dq[b, :, r0:r1] = dqb.mul_(scale).view(Hq, r1 - r0, D)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
