@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omnigen  # noqa: E402
@@ -44,19 +45,25 @@ VOCAB, WORD, WORDS, TOPICS, PATCH, IMAGE_TOKENS = 256, 4, 64, 8, 32, 256
 
 class Data:
     """Batches of (modality ids, text tokens, clean and noisy patches), seeded; text runs of 64-512
-    tokens between images of 256 patches."""
+    tokens between images of 256 patches.
+
+    The segment lengths are drawn on the host (the layout is made there); the tokens and patches on the
+    GPU, so that making a batch costs the host a few small launches whatever the backend. (Drawn on the
+    host, the patches alone cost 3-25 ms of CPU per step on the H100 machine, varying with how busy its
+    CPUs were: that, not attention, set the tokens/s of both backends in earlier runs of this example.)"""
 
     def __init__(self, batch: int, seq_len: int, seed: int, device: torch.device):
         self.B, self.S, self.device = batch, seq_len, device
         self.gen = torch.Generator().manual_seed(seed)
+        self.gen_device = torch.Generator(device).manual_seed(seed)
         fixed = torch.Generator().manual_seed(1234)  # the "language": the same for every run
-        self.words = torch.randint(0, VOCAB, (WORDS, WORD), generator=fixed)
-        self.topic_words = torch.stack([torch.randperm(WORDS, generator=fixed)[:16] for _ in range(TOPICS)])
-        self.prototypes = torch.randn(TOPICS, PATCH, generator=fixed)
-        self.position_pattern = 0.5 * torch.randn(IMAGE_TOKENS, PATCH, generator=fixed)
+        self.words = torch.randint(0, VOCAB, (WORDS, WORD), generator=fixed).to(device)
+        self.topic_words = torch.stack([torch.randperm(WORDS, generator=fixed)[:16] for _ in range(TOPICS)]).to(device)
+        self.prototypes = torch.randn(TOPICS, PATCH, generator=fixed).to(device)
+        self.position_pattern = (0.5 * torch.randn(IMAGE_TOKENS, PATCH, generator=fixed)).to(device)
 
     def next(self):
-        B, S, g = self.B, self.S, self.gen
+        B, S, g, d = self.B, self.S, self.gen, self.device
         modality = torch.empty(B, S, dtype=torch.int64)
         image_pos = torch.zeros(B, S, dtype=torch.int64)
         for b in range(B):  # a handful of segments per row
@@ -68,16 +75,17 @@ class Data:
                 if not text:
                     image_pos[b, at:at + n] = torch.arange(n)
                 at, text = at + n, not text
-        topic = torch.randint(0, TOPICS, (B,), generator=g)
-        choice = torch.randint(0, 16, (B, S // WORD + 1), generator=g)
+        modality_d = modality.to(d, non_blocking=True)
+        image_pos = image_pos.to(d, non_blocking=True)
+        gd = self.gen_device
+        topic = torch.randint(0, TOPICS, (B,), generator=gd, device=d)
+        choice = torch.randint(0, 16, (B, S // WORD + 1), generator=gd, device=d)
         word_ids = self.topic_words[topic[:, None], choice]  # [B, S / WORD]
         tokens = self.words[word_ids].reshape(B, -1)[:, :S]
         clean = self.prototypes[topic][:, None, :] + self.position_pattern[image_pos]
-        sigma = torch.rand(B, 1, 1, generator=g) * 0.8 + 0.2
-        noisy = clean + sigma * torch.randn(B, S, PATCH, generator=g)
-        d = self.device
-        return (modality, tokens.to(d, non_blocking=True), clean.to(d, non_blocking=True),
-                noisy.to(d, non_blocking=True), modality.to(d, non_blocking=True))
+        sigma = torch.rand(B, 1, 1, generator=gd, device=d) * 0.8 + 0.2
+        noisy = clean + sigma * torch.randn(B, S, PATCH, generator=gd, device=d)
+        return modality, tokens, clean, noisy, modality_d
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,22 +168,31 @@ def train(name: str, args, device: torch.device) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     data = Data(args.batch, args.seq_len, args.seed, device)
     losses, start, timed_from = [], None, args.warmup
+
+    def one_step() -> torch.Tensor:
+        # the named ranges cost nothing outside the profiler; under it they split the step's host time
+        with record_function("step: data"):
+            modality, tokens, clean, noisy, modality_d = data.next()
+        with record_function("step: mask"):
+            layout = omnigen.Layout.from_tensors(modality, rules=RULES)  # a LayoutBatch of B layouts
+            mask = make_mask(layout)
+        with record_function("step: forward"), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(tokens, clean, noisy, modality_d, mask)
+        with record_function("step: backward"):
+            loss.backward()
+        with record_function("step: optimizer"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
     first_step = time.perf_counter()
     for step in range(args.steps):
         if step == timed_from:
             torch.cuda.synchronize()
             start = time.perf_counter()
-        modality, tokens, clean, noisy, modality_d = data.next()
-        layout = omnigen.Layout.from_tensors(modality, rules=RULES)  # a LayoutBatch of B layouts
-        mask = make_mask(layout)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(tokens, clean, noisy, modality_d, mask)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(one_step())
         if step == 0:
             torch.cuda.synchronize()
             print(f"{name}: first step (compile{', kernel build' if name == 'omnigen' else ''}) "
@@ -187,8 +204,56 @@ def train(name: str, args, device: torch.device) -> dict:
     print(f"{name}: {args.steps} steps, final loss {sum(values[-20:]) / 20:.4f} (mean of the last 20), "
           f"{tokens_per_s:,.0f} tokens/s over steps {timed_from}-{args.steps} (masks made per batch included)",
           flush=True)
-    return {"losses": values, "tokens_per_s": tokens_per_s, "seconds": seconds,
-            "total_seconds": time.perf_counter() - first_step}
+    result = {"losses": values, "tokens_per_s": tokens_per_s, "seconds": seconds,
+              "total_seconds": time.perf_counter() - first_step,
+              "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+    if args.profile_steps:
+        result["profile"] = profile(name, one_step, args.profile_steps, 1e3 * seconds / (args.steps - timed_from))
+    return result
+
+
+# what the profiler calls each attention's kernels (see benchmarks/train_step.py for the full classification)
+ATTENTION_KERNELS = {"omnigen": r"\b(forward_kernel|hopper_dkdv_kernel|dkdv_kernel|dq_kernel|delta_kernel)\b",
+                     "flex": r"flex_attention"}
+
+
+def profile(name: str, one_step, steps: int, wall_ms: float) -> dict:
+    """Where a step's time goes: GPU kernel time per step (attention and the rest) against the step's wall
+    time, and the host operations that took the most CPU time. A step whose GPU time is well below its
+    wall time is host-bound: the GPU waits for Python, the dispatcher or the mask's planning."""
+    import re
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            one_step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    gpu = [(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == DeviceType.CUDA]
+    gpu_ms = sum(us for _, us in gpu) / steps / 1e3
+    attention_ms = sum(us for n, us in gpu if re.search(ATTENTION_KERNELS[name], n)) / steps / 1e3
+    host, parts = {}, {}
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            continue
+        if e.name.startswith("step: "):
+            parts[e.name[6:]] = parts.get(e.name[6:], 0.0) + e.cpu_time_total
+        else:
+            host[e.name] = host.get(e.name, 0.0) + e.self_cpu_time_total
+    top_host = sorted(host.items(), key=lambda kv: -kv[1])[:6]
+    out = {"wall_ms_per_step": round(wall_ms, 2), "gpu_kernel_ms_per_step": round(gpu_ms, 2),
+           "attention_kernel_ms_per_step": round(attention_ms, 2),
+           "gpu_busy_fraction": round(gpu_ms / wall_ms, 3),
+           "host_ms_per_step": {n: round(us / steps / 1e3, 3) for n, us in parts.items()},
+           "top_host_ops_ms_per_step": {n[:80]: round(us / steps / 1e3, 3) for n, us in top_host}}
+    print(f"{name}: profile over {steps} steps: wall {wall_ms:.2f} ms/step (timed loop), GPU kernels "
+          f"{gpu_ms:.2f} ms/step ({100 * gpu_ms / wall_ms:.0f}% busy), attention kernels {attention_ms:.2f} ms/step; "
+          "host ms/step: " + ", ".join(f"{n} {ms:.2f}" for n, ms in out["host_ms_per_step"].items()), flush=True)
+    for n, ms in out["top_host_ops_ms_per_step"].items():
+        print(f"    host op {ms:8.3f} ms/step (self)  {n}", flush=True)
+    return out
 
 
 def compare(a: list[float], b: list[float], window: int = 20) -> dict:
@@ -244,6 +309,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("train-transfusion-out"))
     parser.add_argument("--only", choices=("omnigen", "flex"), help="run one of the two")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed steps, this many more under the PyTorch profiler: GPU time per step "
+                             "against wall time (host-bound or not) and the costliest host operations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("train_transfusion.py needs a CUDA GPU (omnigen's kernels and FlexAttention run on one); none is visible")
