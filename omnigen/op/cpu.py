@@ -44,7 +44,8 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rows(schedules: Any, heads: int) -> Iterator[tuple[int, int, int, list[Span]]]:
-    """(batch element, first query, one past the last, spans) for every q-tile that visits any kv-tile.
+    """(batch element, first query, one past the last, spans) for every q-tile, those that visit nothing included
+    (their rows are written too: every output element is written, none is left to an allocation's fill).
 
     A span is a run of consecutive kv-tiles of one kind in the q-tile's schedule, cut to CHUNK_ELEMENTS scores.
     Found with a few vectorised passes over the schedule, so the Python loop runs per span, not per tile."""
@@ -53,8 +54,6 @@ def _rows(schedules: Any, heads: int) -> Iterator[tuple[int, int, int, list[Span
     groups = 3 * schedules.batch_size * nq  # (q-tile row, kind) groups of the CSR schedule
     ptr = schedules.fwd_ptr[: groups + 1].long()
     total = int(ptr[-1])
-    if total == 0:
-        return
     kv = schedules.fwd_kv[:total].long()  # a mask's buffers may be longer than its plan
     group = torch.repeat_interleave(torch.arange(groups), ptr[1:] - ptr[:-1])
     starts_run = torch.ones(total, dtype=torch.bool)
@@ -62,15 +61,15 @@ def _rows(schedules: Any, heads: int) -> Iterator[tuple[int, int, int, list[Span
     first = starts_run.nonzero().squeeze(1)
     last = torch.cat([first[1:], torch.tensor([total])]) - 1
     most = max(1, CHUNK_ELEMENTS // (heads * bm * bn))  # kv-tiles per span
-    spans: dict[int, list[Span]] = {}
-    for g, j0, j1 in zip(group[first].tolist(), kv[first].tolist(), kv[last].tolist()):
+    spans: list[list[Span]] = [[] for _ in range(groups // 3)]
+    runs = zip(group[first].tolist(), kv[first].tolist(), kv[last].tolist()) if total else ()  # all pad: no runs
+    for g, j0, j1 in runs:
         row, kind = divmod(g, 3)
-        out = spans.setdefault(row, [])
         for a in range(j0, j1 + 1, most):
-            out.append((SCHEDULE_KINDS[kind], a * bn, min((min(j1, a + most - 1) + 1) * bn, S)))
-    for row in sorted(spans):
+            spans[row].append((SCHEDULE_KINDS[kind], a * bn, min((min(j1, a + most - 1) + 1) * bn, S)))
+    for row, found in enumerate(spans):
         b, i = divmod(row, nq)
-        yield b, i * bm, min((i + 1) * bm, S), spans[row]
+        yield b, i * bm, min((i + 1) * bm, S), found
 
 
 class _Masker:
@@ -94,6 +93,11 @@ class _Masker:
         scores.view(heads, -1, r1 - r0, c1 - c0).masked_fill_(~allowed, float("-inf"))
 
 
+def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """An output buffer whose every element the walk writes (tests fill it with NaN to prove that)."""
+    return torch.empty(*shape, dtype=dtype)
+
+
 def _group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[Hq, m, D] -> [Hkv, g * m, D]: a kv head's query heads stacked, so one product serves the group."""
     return x.reshape(kv_heads, -1, x.shape[-1])
@@ -103,13 +107,13 @@ def forward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: tor
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, S, D] in q's dtype, lse [B, Hq, S] float32): masked attention over the schedule's tiles.
 
-    Rows that see no key (no visited tile, or every visited key masked) give zeros and -inf."""
+    Rows that see no key (no visited tile, or every visited key masked) give zeros and -inf, never NaN."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     acc = _accumulator(q.dtype)
     qc, kc, vc = (t.detach().to(acc) for t in (q, k, v))
-    out = torch.zeros(B, Hq, S, D, dtype=q.dtype)
-    lse = torch.full((B, Hq, S), float("-inf"), dtype=torch.float32)
+    out = _empty(B, Hq, S, D, dtype=q.dtype)
+    lse = _empty(B, Hq, S, dtype=torch.float32)
     masker = _Masker(rules, schedules)
     with torch.no_grad():
         for b, r0, r1, spans in _rows(schedules, Hq):
@@ -145,7 +149,7 @@ def backward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: to
     Hkv = k.shape[1]
     acc = _accumulator(q.dtype)
     qc, kc, vc = (t.detach().to(acc) for t in (q, k, v))
-    dq = torch.zeros(B, Hq, S, D, dtype=acc)
+    dq = _empty(B, Hq, S, D, dtype=acc)
     dk = torch.zeros(B, Hkv, S, D, dtype=acc)
     dv = torch.zeros(B, Hkv, S, D, dtype=acc)
     masker = _Masker(rules, schedules)
