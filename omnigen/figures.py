@@ -12,7 +12,10 @@ from Python::
     figures.save_png(rules, layout, p, "mask.png")
 
 The dense mask (O(S^2)) is only built when S <= DENSE_LIMIT; above that only the tile grid,
-which the planner computes without ever materialising S x S, is drawn.
+which the planner computes without ever materialising S x S, is drawn. Tile grids are drawn from
+`plan.kind_cells` (tiles grouped into cells: one per character, or per pixel of the PNG), so a picture
+never needs the full [nq, nk] grid either. `plan` is an `omnigen.Plan` or the command line's
+`omnigen.plan.PlanSummary`; everything here is numpy (the command line does not import torch).
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+import numpy as np
 
 from .layout import AnyLayout, Layout, Segment
-from .plan import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, Plan
+from .plan import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL
 from .rules import Rules
+from .semantics import dense_mask_host
+
+if TYPE_CHECKING:
+    from .plan import PlanStatistics as Plan
 
 DENSE_LIMIT = 8192  # largest S for which pictures build the dense S x S mask
 MAX_PICTURED = 4  # batch elements drawn; the statistics always cover the whole batch
 MAX_LINES = 64  # the mask picture never gets taller than this, however wide the terminal
-PNG_PIXELS = 1024
-MAX_BOUNDARY_LINES = 64  # more boundary lines than this would hide the picture  # the PNG's mask panel is averaged down to at most this many pixels per side
+PNG_PIXELS = 1024  # the PNG's panels are averaged down to at most this many pixels (or tile cells) per side
+MAX_BOUNDARY_LINES = 64  # more boundary lines than this would hide the picture
 
 _KIND_ORDER = (EMPTY, FULL, CAUSAL, PARTIAL)
 # Characters per tile kind, and for a character cell that covers tiles of several kinds.
@@ -41,7 +48,7 @@ _TILE_CHARS = {True: {EMPTY: "·", FULL: "█", CAUSAL: "◣", PARTIAL: "▒", -
 _MASK_CHARS = {True: ("█", "▒", " "), False: ("#", "+", " ")}  # all allowed, mixed, none
 _FRAME = {True: dict(h="─", v="│", tl="┌", tr="┐", bl="└", br="┘", top="┬", left="├"),
           False: dict(h="-", v="|", tl="+", tr="+", bl="+", br="+", top="+", left="+")}
-_KIND_COLORS = {EMPTY: "#f2f2f2", FULL: "#1f4e79", CAUSAL: "#5fa8d3", PARTIAL: "#f28e2b"}
+_KIND_COLORS = {EMPTY: "#f2f2f2", FULL: "#1f4e79", CAUSAL: "#5fa8d3", PARTIAL: "#f28e2b", -1: "#b07aa1"}
 _SEGMENT_LINE: dict[str, Any] = dict(color="#555555", linewidth=0.6, linestyle=(0, (4, 3)))
 _DOC_LINE: dict[str, Any] = dict(color="#c0392b", linewidth=1.4)
 _LABEL_WIDTH = 18  # left margin of the terminal pictures: "<modality>@<doc> <position>"
@@ -64,13 +71,14 @@ def render_terminal(rules: Rules, layout: AnyLayout, plan: Plan, width: int = 10
     """Everything `omnigen show` prints: mask picture(s) when S is small enough, tile grid(s), summary."""
     parts: list[str] = []
     elements = layout.layouts
-    kinds = plan.kinds if plan.batched else plan.kinds[None]
+    factors = tile_factors(plan.num_kv_tiles, width)
+    cells = plan.kind_cells(min(len(elements), MAX_PICTURED), *factors)
     for b, element in enumerate(elements[:MAX_PICTURED]):
         if len(elements) > 1:
             parts.append(f"batch element {b}: {element}")
         if element.seq_len <= DENSE_LIMIT:
             parts.append(mask_text(rules, element, width=width, unicode=unicode))
-        parts.append(tile_text(kinds[b], element, plan.block_m, plan.block_n, width=width, unicode=unicode))
+        parts.append(tile_text(cells[b], factors, element, plan.block_m, plan.block_n, width=width, unicode=unicode))
     if len(elements) > MAX_PICTURED:
         parts.append(f"({len(elements) - MAX_PICTURED} more batch elements not drawn; the summary covers all)")
     if plan.seq_len > DENSE_LIMIT:
@@ -105,7 +113,7 @@ def mask_text(rules: Rules, layout: Layout, width: int = 100, unicode: bool = Tr
     else:  # a line is about twice as tall as a character is wide, so half as many lines
         cols, repeat = min(S, avail, 2 * MAX_LINES), 1
         rows = max(1, math.ceil(cols / 2))
-    counts, areas = mask_cells(rules.dense_mask(layout), rows, cols)
+    counts, areas = mask_cells(dense_mask_host(rules, layout), rows, cols)
     full, mixed, none = _MASK_CHARS[unicode]
     chars = [[full if c == a else none if c == 0 else mixed for c, a in zip(cr, ar)]
              for cr, ar in zip(counts.tolist(), areas.tolist())]
@@ -117,16 +125,21 @@ def mask_text(rules: Rules, layout: Layout, width: int = 100, unicode: bool = Tr
     return textwrap.fill(legend, width) + "\n" + frame
 
 
-def tile_text(kinds: torch.Tensor, layout: Layout, block_m: int, block_n: int, width: int = 100,
-              unicode: bool = True) -> str:
-    """The tile-kind grid of one layout: one character per tile, or per group of tiles when too wide."""
-    nq, nk = kinds.shape
+def tile_factors(num_kv_tiles: int, width: int = 100) -> tuple[int, int]:
+    """(row_factor, col_factor): tiles per character of the terminal's tile grid, so it fits `width`."""
     avail = max(8, width - _LABEL_WIDTH - 3)
-    symbols = _TILE_CHARS[unicode]
-    col_factor = max(1, math.ceil(nk / avail))
+    col_factor = max(1, math.ceil(num_kv_tiles / avail))
     # Once we group anyway, group twice as many rows: a line is about twice as tall as a character is wide.
-    row_factor = 1 if col_factor == 1 else 2 * col_factor
-    chars = _grouped_kinds(kinds, row_factor, col_factor, symbols)
+    return (1 if col_factor == 1 else 2 * col_factor), col_factor
+
+
+def tile_text(cells: np.ndarray, factors: tuple[int, int], layout: Layout, block_m: int, block_n: int,
+              width: int = 100, unicode: bool = True) -> str:
+    """The tile-kind grid of one layout: one character per cell of `plan.kind_cells(..., *factors)` -- a tile,
+    or a group of tiles when the grid is too wide (`tile_factors`)."""
+    row_factor, col_factor = factors
+    symbols = _TILE_CHARS[unicode]
+    chars = [[symbols[k] for k in row] for row in cells.tolist()]
     if col_factor == 1:
         legend = f"tiles (one character per {block_m}x{block_n} tile): "
     else:
@@ -138,37 +151,25 @@ def tile_text(kinds: torch.Tensor, layout: Layout, block_m: int, block_n: int, w
     return textwrap.fill(legend, width) + "\n" + frame
 
 
-def _grouped_kinds(kinds: torch.Tensor, row_factor: int, col_factor: int, symbols: dict[int, str]) -> list[list[str]]:
-    """Characters for groups of row_factor x col_factor tiles: the kind if they share one, else 'several'."""
-    nq, nk = kinds.shape
-    rows, cols = math.ceil(nq / row_factor), math.ceil(nk / col_factor)
-    padded = torch.full((rows * row_factor, cols * col_factor), -1, dtype=torch.int16)
-    padded[:nq, :nk] = kinds.to(torch.int16)
-    blocks = padded.view(rows, row_factor, cols, col_factor).permute(0, 2, 1, 3).reshape(rows, cols, -1)
-    # Slots past the grid's edge (-1) must not count as a second kind: give them the block's max.
-    blocks = torch.where(blocks < 0, blocks.max(-1, keepdim=True).values, blocks)
-    low, high = blocks.min(-1).values, blocks.max(-1).values
-    cell = torch.where(low == high, high, torch.full_like(high, -1))
-    return [[symbols[k] for k in row] for row in cell.tolist()]
-
-
-def mask_cells(mask: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(allowed count, area) per cell of a rows x cols grid laid over a bool [S, S] mask.
+def mask_cells(mask: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(allowed count, area) per cell of a rows x cols grid laid over a bool [S, S] mask (numpy, or anything
+    np.asarray reads), int64 [rows, cols] each.
 
     Cells cover near-equal token ranges; works in row chunks so memory stays O(S * cols).
     """
+    mask = np.asarray(mask)
     S = mask.shape[0]
-    row_of = torch.arange(S) * rows // S
-    col_of = torch.arange(S) * cols // S
-    onehot = torch.zeros(S, cols)
-    onehot[torch.arange(S), col_of] = 1.0
-    counts = torch.zeros(rows, cols)
+    row_of = np.arange(S) * rows // S
+    col_of = np.arange(S) * cols // S
+    onehot = np.zeros((S, cols), dtype=np.float32)
+    onehot[np.arange(S), col_of] = 1.0
+    counts = np.zeros((rows, cols), dtype=np.float64)
     chunk = max(1, (1 << 22) // S)
     for start in range(0, S, chunk):
-        part = mask[start:start + chunk].to(torch.float32) @ onehot
-        counts.index_add_(0, row_of[start:start + chunk], part)
-    areas = torch.bincount(row_of, minlength=rows)[:, None] * torch.bincount(col_of, minlength=cols)[None, :]
-    return counts.round().to(torch.int64), areas
+        part = mask[start:start + chunk].astype(np.float32) @ onehot  # exact: counts stay below 2^24
+        np.add.at(counts, row_of[start:start + chunk], part)
+    areas = np.bincount(row_of, minlength=rows)[:, None] * np.bincount(col_of, minlength=cols)[None, :]
+    return counts.round().astype(np.int64), areas
 
 
 def _segment_label(segments: Sequence[Segment], index: int) -> str:
@@ -278,23 +279,26 @@ def mask_figure(rules: Rules, layout: AnyLayout, plan: Plan) -> Any:
     show_mask = plan.seq_len <= DENSE_LIMIT
     panels = 2 if show_mask else 1
     S = plan.seq_len
-    kinds = plan.kinds if plan.batched else plan.kinds[None]
+    nq, nk = plan.num_q_tiles, plan.num_kv_tiles
+    # The tile panel is downsampled like the mask panel: a pixel per cell of tiles, at most PNG_PIXELS a side
+    # (a million tokens in 128 x 128 tiles would otherwise be an 8192 x 8192 image, GBs inside matplotlib).
+    row_factor, col_factor = math.ceil(nq / PNG_PIXELS), math.ceil(nk / PNG_PIXELS)
+    cells = plan.kind_cells(len(elements), row_factor, col_factor)
     fig, axes = plt.subplots(len(elements), panels, figsize=(6.2 * panels, 6.0 * len(elements)),
                              squeeze=False, layout="constrained")
-    kind_cmap = ListedColormap([_KIND_COLORS[k] for k in _KIND_ORDER])
+    kind_cmap = ListedColormap([_KIND_COLORS[k] for k in (-1, *_KIND_ORDER)])
     drawn: set[str] = set()  # which boundary line styles appear, for the legend
     for b, element in enumerate(elements):
         row = axes[b]
         if show_mask:
             size = min(S, PNG_PIXELS)
-            counts, areas = mask_cells(rules.dense_mask(element), size, size)
-            row[0].imshow((counts / areas).numpy(), cmap="Blues", vmin=0, vmax=1.15, extent=(0, S, S, 0),
+            counts, areas = mask_cells(dense_mask_host(rules, element), size, size)
+            row[0].imshow(counts / areas, cmap="Blues", vmin=0, vmax=1.15, extent=(0, S, S, 0),
                           interpolation="nearest")
             row[0].set_title("mask (blue: allowed)", fontsize=10)
         ax = row[-1]
-        nq, nk = plan.num_q_tiles, plan.num_kv_tiles
-        ax.imshow(kinds[b].numpy(), cmap=kind_cmap, vmin=-0.5, vmax=3.5, interpolation="nearest",
-                  extent=(0, nk * plan.block_n, nq * plan.block_m, 0))
+        ax.imshow(cells[b], cmap=kind_cmap, vmin=-1.5, vmax=3.5, interpolation="nearest",
+                  extent=(0, cells.shape[2] * col_factor * plan.block_n, cells.shape[1] * row_factor * plan.block_m, 0))
         if nq * nk <= 64 * 64:  # thin tile grid lines while they stay visible
             for x in range(plan.block_n, nk * plan.block_n, plan.block_n):
                 ax.axvline(x, color="white", linewidth=0.4)
@@ -309,6 +313,9 @@ def mask_figure(rules: Rules, layout: AnyLayout, plan: Plan) -> Any:
     counts = plan.counts()
     handles = [Patch(facecolor=_KIND_COLORS[k], edgecolor="#999999", label=f"{KIND_NAMES[k]} ({counts[KIND_NAMES[k]]})")
                for k in _KIND_ORDER]
+    if (cells < 0).any():
+        handles.append(Patch(facecolor=_KIND_COLORS[-1], edgecolor="#999999",
+                             label=f"several kinds (a pixel: {row_factor}x{col_factor} tiles)"))
     handles += [Line2D([], [], label=f"{what} start", **style)
                 for what, style in (("segment", _SEGMENT_LINE), ("document", _DOC_LINE)) if what in drawn]
     axes[0][-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, frameon=False,

@@ -3,6 +3,11 @@
 A `Layout` is one batch element; `Layout.batch([...])` gives a `LayoutBatch` of equal-length
 layouts. Neither knows the rules: modality names are checked when tables are made for a
 particular `Rules` (`layout.tables(rules)`), which is also where names become integer ids.
+
+The tables are built in numpy and wrapped as torch tensors (`LayoutTables`) only where a tensor is asked
+for; `layout.host_tables(rules)` gives the same tables without torch (`HostTables`), which is all the
+command line's `show` and `plan` need -- so this module imports torch inside the functions that make or
+take tensors, never at import.
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence, Union
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from .rules import PAD, Rules, closest
 
@@ -97,17 +104,19 @@ class LayoutTables:
     # per token, [B, S]
     @functools.cached_property
     def token_segment(self) -> torch.Tensor:  # int32, global segment index
+        import torch
+
         B, S = self.batch_size, self.seq_len
         return self.packed.view(torch.int32).as_strided((B, S), (S, 1), 2 * token_offset(self.num_segments))
 
     # Kernels also read these two; the planner reads neither.
     @functools.cached_property
     def token_modality(self) -> torch.Tensor:  # int32 [B, S]
-        return self.seg_modality.to(torch.int32)[self.token_segment]
+        return self.seg_modality.to(self.token_segment.dtype)[self.token_segment]
 
     @functools.cached_property
     def token_doc(self) -> torch.Tensor:  # int32 [B, S]
-        return self.seg_doc.to(torch.int32)[self.token_segment]
+        return self.seg_doc.to(self.token_segment.dtype)[self.token_segment]
 
     @property
     def device(self) -> torch.device:
@@ -117,9 +126,7 @@ class LayoutTables:
         """numpy views of `packed` (on the host; copied there first where it is elsewhere): the 7
         segment rows as int64 [7, num_segments] and token_segment as flat int32 [B * S]. Cheaper
         than the tensor views for the host planner, which reads these only."""
-        n = self.num_segments
-        host = self.packed.cpu().numpy()
-        return host[: 7 * n].reshape(7, n), host[token_offset(n) :].view(np.int32)[: self.batch_size * self.seq_len]
+        return _split_packed(self.packed.cpu().numpy(), self.num_segments, self.batch_size * self.seq_len)
 
     def to(self, device: torch.device | str) -> "LayoutTables":
         return LayoutTables(self.batch_size, self.seq_len, self.num_segments, self.packed.to(device))
@@ -127,6 +134,44 @@ class LayoutTables:
     def nbytes(self) -> int:
         tensors = (self.packed, self.token_modality, self.token_doc)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _split_packed(host: np.ndarray, n_segments: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment rows int64 [7, n_segments], token_segment int32 [n_tokens]): views of a packed buffer."""
+    return host[: 7 * n_segments].reshape(7, n_segments), host[token_offset(n_segments) :].view(np.int32)[:n_tokens]
+
+
+@dataclass(frozen=True)
+class HostTables:
+    """`LayoutTables` on the host as numpy arrays (the same packed buffer, the same rows), made without
+    torch: what the host planner and the command line read. `layout.host_tables(rules)`; a CPU
+    `LayoutTables` of the same layout and rules wraps this very buffer."""
+
+    batch_size: int
+    seq_len: int
+    num_segments: int
+    packed: np.ndarray  # int64, the layout of LayoutTables.packed
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """As `LayoutTables.host_arrays`: segment rows int64 [7, num_segments], token_segment int32 [B * S]."""
+        return _split_packed(self.packed, self.num_segments, self.batch_size * self.seq_len)
+
+    @property
+    def token_segment(self) -> np.ndarray:  # int32 [B, S], global segment index
+        return self.host_arrays()[1].reshape(self.batch_size, self.seq_len)
+
+    @property
+    def token_modality(self) -> np.ndarray:  # int32 [B, S]
+        return self.host_arrays()[0][2].astype(np.int32)[self.token_segment]
+
+    @property
+    def token_doc(self) -> np.ndarray:  # int32 [B, S]
+        return self.host_arrays()[0][3].astype(np.int32)[self.token_segment]
+
+    def nbytes(self) -> int:
+        """What `LayoutTables.nbytes()` says for the same tables (packed + int32 token modality and document),
+        counted without making the two per-token tables."""
+        return self.packed.nbytes + 2 * 4 * self.batch_size * self.seq_len
 
 
 class Layout:
@@ -313,6 +358,10 @@ class Layout:
     def tables(self, rules: Rules, device: torch.device | str | None = None) -> LayoutTables:
         return _cached_tables(self, rules, device)
 
+    def host_tables(self, rules: Rules) -> HostTables:
+        """The same tables as numpy arrays on the host, made without torch (cached)."""
+        return _cached_host_tables(self, rules)
+
     # -- editing -------------------------------------------------------------------------------
 
     def pad_to_tiles(self, modalities: Iterable[str], multiple: int, *,
@@ -404,6 +453,8 @@ class PaddingReport:
 
     def new_positions(self) -> torch.Tensor:
         """new_positions()[i] is where the original token i lives in the padded sequence."""
+        import torch
+
         shift = torch.zeros(self.before.seq_len + 1, dtype=torch.int64)
         old_starts = self.before.starts()
         for _, tokens, index in self.inserted:
@@ -460,6 +511,10 @@ class LayoutBatch:
     def tables(self, rules: Rules, device: torch.device | str | None = None) -> LayoutTables:
         return _cached_tables(self, rules, device)
 
+    def host_tables(self, rules: Rules) -> HostTables:
+        """The same tables as numpy arrays on the host, made without torch (cached)."""
+        return _cached_host_tables(self, rules)
+
     def __len__(self) -> int:
         return self.batch_size
 
@@ -497,6 +552,8 @@ def as_layout(value: object, name: str = "layout") -> AnyLayout:
 
 def _token_array(value: object, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """An integer tensor (any device) as an int64 numpy array: [S] or [B, S], or exactly `shape`."""
+    import torch
+
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, not {type(value).__name__}")
     if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
@@ -583,26 +640,56 @@ def _check_segments(segments: tuple[Segment, ...]) -> int:
 
 
 def _cached_tables(layout: AnyLayout, rules: Rules, device: torch.device | str | None) -> LayoutTables:
+    import torch
+
     device = torch.device(device) if device is not None else torch.device("cpu")
     key = (rules.mask_hash(), rules.modality_names, str(device))
     cached = layout._tables.get(key)
     if cached is None:
-        cached = _build_tables(layout.layouts, rules, device)
+        if device.type == "cpu":  # the host tables' own buffer: made once, read by both planners' callers
+            host = _cached_host_tables(layout, rules)
+            cached = LayoutTables(host.batch_size, host.seq_len, host.num_segments, torch.from_numpy(host.packed))
+        else:
+            cached = _build_tables(layout.layouts, rules, device)
         layout._tables[key] = cached
     return cached
 
 
+def _cached_host_tables(layout: AnyLayout, rules: Rules) -> HostTables:
+    key = (rules.mask_hash(), rules.modality_names, "numpy")
+    cached = layout._tables.get(key)
+    if cached is None:
+        n_segments, words = _packed_size(layout.layouts)
+        host = np.empty(words, dtype=np.int64)
+        _fill_tables(layout.layouts, rules, host, n_segments)
+        cached = HostTables(layout.batch_size, layout.seq_len, n_segments, host)
+        layout._tables[key] = cached
+    return cached
+
+
+def _packed_size(layouts: tuple[Layout, ...]) -> tuple[int, int]:
+    """(segments, int64 words) of the packed buffer of these layouts."""
+    n_segments = sum(len(layout.segments) for layout in layouts)
+    return n_segments, token_offset(n_segments) + (len(layouts) * layouts[0].seq_len + 1) // 2
+
+
 def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.device) -> LayoutTables:
+    """The tables for a non-CPU device: filled in a (pinned) host buffer, then one copy to `device`."""
+    n_segments, words = _packed_size(layouts)
+    host, staging = _host_buffer(words, device)
+    _fill_tables(layouts, rules, host, n_segments)
+    packed = staging.to(device, non_blocking=True)
+    return LayoutTables(batch_size=len(layouts), seq_len=layouts[0].seq_len, num_segments=n_segments, packed=packed)
+
+
+def _fill_tables(layouts: tuple[Layout, ...], rules: Rules, host: np.ndarray, n_segments: int) -> None:
     """Segment tables written straight into one host buffer (one row each, one block of columns per
-    batch element), the token table by np.repeat; one copy to `device`."""
+    batch element), the token table by np.repeat (the layout of LayoutTables.packed)."""
     seq_len = layouts[0].seq_len
     ids = {name: rules.modality_id(name) for name in set().union(*(layout.modalities for layout in layouts))}
     isolated = rules.isolated_documents
-    # One host buffer, one copy (the layout of LayoutTables.packed).
-    n_segments = sum(len(layout.segments) for layout in layouts)
     n_tokens = len(layouts) * seq_len
     tokens_at = token_offset(n_segments)
-    host, staging = _host_buffer(tokens_at + (n_tokens + 1) // 2, device)
     rows = host[: 7 * n_segments].reshape(7, n_segments)
     start, end, modality, doc, batch, visible_start, visible_end = rows
     lengths = np.empty(n_segments, dtype=np.int64)
@@ -634,20 +721,19 @@ def _build_tables(layouts: tuple[Layout, ...], rules: Rules, device: torch.devic
         lo = hi
     np.subtract(end, lengths, out=start)
     host[tokens_at:].view(np.int32)[:n_tokens] = np.repeat(np.arange(n_segments, dtype=np.int32), lengths)
-    packed = torch.from_numpy(host) if staging is None else staging
-    if device.type != "cpu":
-        packed = packed.to(device, non_blocking=True)
-    return LayoutTables(batch_size=len(layouts), seq_len=seq_len, num_segments=n_segments, packed=packed)
 
 
-def _host_buffer(words: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor | None]:
-    """An int64 host buffer of `words`, and for a CUDA device the pinned tensor it views.
+def _host_buffer(words: int, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
+    """An int64 host buffer of `words` and the tensor it views: pinned for a CUDA device.
 
     From pinned memory the one copy is asynchronous and skips the driver's staging copy (~6 us
     against ~16 us for a pageable source on an H200 host); torch's pinned-memory cache keeps the
     block until that copy has finished, so dropping the tensor right after is safe.
     """
+    import torch
+
     if device.type != "cuda":
-        return np.empty(words, dtype=np.int64), None
+        host = np.empty(words, dtype=np.int64)
+        return host, torch.from_numpy(host)
     staging = torch.empty(words, dtype=torch.int64, pin_memory=True)
     return staging.numpy(), staging

@@ -1,9 +1,9 @@
 """The command line starts without importing what it does not use (issue 28): `omnigen --help`,
-`show --help` and `plan --help` import no torch at all; `show` and `plan` import torch (the layout
-tables and the planner are torch tensors) but not its compiler stack (torch._dynamo,
-torch._inductor), triton, jinja2 or omnigen.op. Checked on `sys.modules` of a fresh interpreter,
-not by timing (benchmarks/cli_startup.py times it). Also: the lazy `omnigen` package keeps its
-public names, and the group's command summaries match the commands."""
+`show --help` and `plan --help` import no torch and no numpy; `show` and `plan` (also `show --png`,
+batches and `--json`) import numpy but not torch -- they print a plan summary made by the host planner's
+numpy core (omnigen/plan/summary.py) -- nor triton, jinja2 or omnigen.op. Checked on `sys.modules` of a
+fresh interpreter, not by timing (benchmarks/cli_startup.py times it). Also: the lazy `omnigen` package
+keeps its public names, and the group's command summaries match the commands."""
 
 from __future__ import annotations
 
@@ -55,12 +55,21 @@ def test_help_imports_no_torch():
             assert _loaded(modules[key], name) == [], (key, name)
 
 
-def test_show_and_plan_import_torch_but_not_its_compiler_stack():
-    modules = _modules_after(["show", "--rules", RULES, "--layout", "text:40 image:256 text:24@1"],
-                             ["plan", "--rules", RULES, "--layout", "text:4000 image:1024 text:3000"],
-                             ["plan", "--rules", RULES, "--layout", "text:64 image:256", "--json"])
-    assert "torch" in modules["after_commands"]  # as documented: the planner's tables are tensors
-    for name in COMPILER_STACK:
+def test_show_and_plan_import_no_torch(tmp_path):
+    commands = [["show", "--rules", RULES, "--layout", "text:40 image:256 text:24@1"],
+                ["plan", "--rules", RULES, "--layout", "text:4000 image:1024 text:3000"],
+                ["plan", "--rules", RULES, "--layout", "text:64 image:256", "--json"],
+                ["show", "--rules", RULES, "--layout", "text:64 image:256", "--layout", "image:256 text:64@1",
+                 "--block-m", "64", "--block-n", "64", "--ascii"]]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        commands.append(["show", "--rules", RULES, "--layout", "text:100 image:256", "--png", str(tmp_path / "m.png")])
+    modules = _modules_after(*commands)
+    assert "numpy" in modules["after_commands"] and "omnigen.plan.host" in modules["after_commands"]
+    for name in ("torch",) + COMPILER_STACK + ("omnigen.plan.schedule", "omnigen.plan.masks"):
         assert _loaded(modules["after_commands"], name) == [], name
 
 

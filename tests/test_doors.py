@@ -152,9 +152,11 @@ def test_plan_refuses_before_allocating(monkeypatch):
     for word in ("262,144 tokens", "GiB", "larger tiles", "device='cuda'"):
         assert word in message
     assert isinstance(caught.value, MemoryError)
+    # The command line plans no schedules (a summary: O(tokens) plus one band), and refuses the same way when even
+    # that would not fit.
     result = CliRunner().invoke(cli, ["plan", "--rules", RULES_FILE, "--layout", "text:262144"])
-    assert result.exit_code == 2 and "omnigen: error: planning 262,144 tokens" in result.output
-    assert "Traceback" not in result.output
+    assert result.exit_code == 2 and "omnigen: error: summarizing the plan of 262,144 tokens" in result.output
+    assert "GiB is available" in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
 # ---- environment and CLI: exit code 2, one message, no traceback --------------------------------

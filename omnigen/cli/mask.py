@@ -1,7 +1,11 @@
 """`omnigen show` and `omnigen plan`: look at a mask and its tile plan without a GPU.
 
 The library (layouts, rules, the planner, figures) is imported when a command runs, not with this
-module: `omnigen show --help` needs only click.
+module: `omnigen show --help` needs only click. The commands themselves need numpy but not torch: they
+print a `PlanSummary` (omnigen/plan/summary.py), the plan's statistics and pictures made by the host
+planner's numpy core without its schedules -- the same numbers as `omnigen.plan(...)`, in a process that
+never imports torch (tests/test_cli_startup.py), so `omnigen plan` answers in a fraction of a second and
+takes 4M tokens in bounded memory.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from .app import UserError, cli, user_errors
 
 if TYPE_CHECKING:
     from ..layout import AnyLayout
-    from ..plan import Plan
+    from ..plan import PlanSummary
     from ..rules import Rules
 
 RULES_HELP = "Rules file (YAML), e.g. examples/rules/transfusion.yaml."
@@ -30,10 +34,12 @@ BLOCK_M_HELP = "Query rows per tile (a multiple of 16), e.g. --block-m 64."
 BLOCK_N_HELP = "Key columns per tile (a multiple of 16), e.g. --block-n 64."
 
 
-def _load(rules_path: str, layout_texts: Sequence[str], block_m: int, block_n: int) -> tuple[Rules, AnyLayout, Plan, float]:
-    """Rules, layout (or batch), plan and planning seconds; user mistakes become ValueErrors naming the option."""
+def _load(rules_path: str, layout_texts: Sequence[str], block_m: int,
+          block_n: int) -> tuple[Rules, AnyLayout, PlanSummary, float]:
+    """Rules, layout (or batch), the plan's summary and the seconds its tile counts and allowed pairs took;
+    user mistakes become ValueErrors naming the option."""
     from ..layout import Layout
-    from ..plan import PlanMemoryError, plan as make_plan
+    from ..plan import PlanMemoryError, summarize
     from ..rules import Rules
 
     rules = Rules.load(rules_path)
@@ -49,7 +55,8 @@ def _load(rules_path: str, layout_texts: Sequence[str], block_m: int, block_n: i
     layout = layouts[0] if len(layouts) == 1 else Layout.batch(layouts)
     start = time.perf_counter()
     try:
-        plan = make_plan(rules, layout, block_m=block_m, block_n=block_n)
+        plan = summarize(rules, layout, block_m=block_m, block_n=block_n)
+        plan.counts(), plan.allowed_pairs  # (what the planning time covers)
     except PlanMemoryError as exc:  # refused before allocating: the message names the sizes and the fixes
         raise UserError(str(exc)) from None
     except (MemoryError, RuntimeError) as exc:

@@ -2,22 +2,43 @@
 
 `host` is the numpy planner (every machine), `gpu` the fused Triton one (a CUDA device with
 Triton; identical results), `launch` the thin path that launches Triton's compiled kernels with
-less host overhead, `schedule` the `Plan` they both return, `masks` the `Mask` (one layout planned
+less host overhead, `schedule` the `Plan` they both return (`summary`: its statistics, and the same made
+without torch or schedules for the command line), `masks` the `Mask` (one layout planned
 for several tile shapes in fixed-size tensors: what a call reads without a host sync), `bits` the partial
 tiles' masks as bits that a mask carries for the Hopper kernels.
 """
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING
 
 from ..layout import AnyLayout, LayoutBatch, as_layout
-from ..semantics import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
 from ..rules import Rules
+from ..semantics import CAUSAL, EMPTY, FULL, KIND_NAMES, PARTIAL, SCHEDULE_KINDS
 from . import host
 from .host import PlanMemoryError
 from .planners import _check_block, _check_device, _gpu_planner
-from .schedule import Plan
+from .summary import PlanStatistics, PlanSummary, summarize
+
+if TYPE_CHECKING:
+    import torch
+
+    from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans
+    from .schedule import Plan
+
+# Names whose modules import torch: imported on first use (PEP 562), so that `summarize` -- the command line's
+# `show` and `plan` -- runs without torch.
+_LAZY = {"Plan": "schedule", **dict.fromkeys(("CAPACITY_LIMIT", "Mask", "make_mask", "mask_from_plans"), "masks")}
+
+
+def __getattr__(name: str) -> object:
+    source = _LAZY.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
+    globals()[name] = value
+    return value
 
 
 def plan(
@@ -34,6 +55,8 @@ def plan(
     host path: about 16 bytes per visited tile at its peak, plus bounded temporaries); a plan that
     would not fit raises `PlanMemoryError` (a MemoryError) before allocating.
     """
+    from .schedule import Plan
+
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
     layout = as_layout(layout)
@@ -49,7 +72,7 @@ def plan(
         )
     else:
         fwd_ptr, fwd_kv, bwd_ptr, bwd_q, pair_count = host.classify_and_schedule(
-            rules, tables if device.type == "cpu" else layout.tables(rules, "cpu"), block_m, block_n, device
+            rules, layout.host_tables(rules), block_m, block_n, device
         )
     return Plan(
         block_m=block_m,
@@ -68,7 +91,5 @@ def plan(
 
 
 
-from .masks import CAPACITY_LIMIT, Mask, make_mask, mask_from_plans
-
 __all__ = ["CAPACITY_LIMIT", "CAUSAL", "EMPTY", "FULL", "KIND_NAMES", "Mask", "PARTIAL", "SCHEDULE_KINDS", "Plan",
-           "PlanMemoryError", "make_mask", "mask_from_plans", "plan"]
+           "PlanMemoryError", "PlanStatistics", "PlanSummary", "make_mask", "mask_from_plans", "plan", "summarize"]

@@ -44,39 +44,56 @@ computation to `plan.gpu`: one Triton program per (q-tile row, block of kv-tiles
 with the same closed forms and classifies, and one program per row and per column writes the
 schedules: three launches and one host sync, results identical to `_classify` + `_schedules`
 (tests/test_plan_gpu.py compares them array for array).
+
+Everything here is numpy; torch is met only at the edge (`classify_and_schedule` returns tensors, and
+imports torch to make them), so the command line plans without importing torch: `host_schedules` gives
+the same schedules as numpy arrays, `tile_counts` the tiles per kind without making the schedules, and
+`problem_kind_cells` a downsampled picture of the kinds (`KindCells`), one band of q-tile rows at a time.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
-from ..layout import LayoutTables
-from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, rule_tensors
 from ..rules import Rules
+from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS, SEE_ALL, SEE_EARLIER, rule_arrays
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..layout import HostTables, LayoutTables
 
 
 def classify_and_schedule(
-    rules: Rules, tables: LayoutTables, block_m: int, block_n: int, device: torch.device
+    rules: Rules, tables: LayoutTables | HostTables, block_m: int, block_n: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable[[], int]]:
-    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q) on `device` from CPU tables, and a function counting allowed pairs.
+    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q) on `device` from host tables, and a function counting allowed pairs:
+    `host_schedules` as tensors.
 
     Raises PlanMemoryError (a MemoryError) before allocating when the schedules would not fit."""
+    import torch
+
     host_tables = _CpuTables.of(tables)
-    problem = _Problem(rules, host_tables, block_m, block_n)
+    schedules = host_schedules(rules, host_tables, block_m, block_n)
+    fwd_ptr, fwd_kv, bwd_ptr, bwd_q = (torch.from_numpy(a).to(device) for a in schedules)
+    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q, lambda: _allowed_pairs_host(rules, host_tables)
+
+
+def host_schedules(rules: Rules, tables: "_CpuTables", block_m: int, block_n: int) -> tuple[np.ndarray, ...]:
+    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q), int32 numpy arrays: the plan's schedules (see `Plan`).
+
+    Raises PlanMemoryError (a MemoryError) before allocating when they would not fit."""
+    problem = _Problem(rules, tables, block_m, block_n)
     bands = problem.bands()
     _check_memory(problem, banded=len(bands) > 1)
     if len(bands) == 1:
         grid, _ = problem.classify(0, problem.n_rows, narrow=False)
-        schedules = _schedules_host(grid.reshape(problem.B, problem.nq, problem.nk))
-    else:
-        schedules = _schedules_banded(problem, bands)
-    fwd_ptr, fwd_kv, bwd_ptr, bwd_q = (torch.from_numpy(a).to(device) for a in schedules)
-    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q, lambda: _allowed_pairs_host(rules, host_tables)
+        return _schedules_host(grid.reshape(problem.B, problem.nq, problem.nk))
+    return _schedules_banded(problem, bands)
 
 
 class _Prefix:
@@ -181,7 +198,7 @@ class _CpuTables:
         return self.batch_size * self.seq_len
 
     @classmethod
-    def of(cls, tables: LayoutTables) -> "_CpuTables":
+    def of(cls, tables: LayoutTables | HostTables) -> "_CpuTables":
         rows, token_segment = tables.host_arrays()
         start, end, modality, _, _, visible_start, visible_end = rows
         return cls(tables.batch_size, tables.seq_len, start, end, modality, visible_start, visible_end, token_segment)
@@ -197,16 +214,17 @@ def _ragged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _classify(rules: Rules, tables: LayoutTables, block_m: int, block_n: int) -> tuple[torch.Tensor, int]:
     """Tile kinds as a flat int8 CPU grid [B * nq * nk] and the number of allowed pairs."""
+    import torch
+
     host_tables = _CpuTables.of(tables)
     grid = _classify_host(rules, host_tables, block_m, block_n)
     return torch.from_numpy(grid), _allowed_pairs_host(rules, host_tables)
 
 
-@functools.lru_cache(maxsize=64)
 def _host_rules(rules: Rules) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(see, causal, window) of `rule_tensors` as numpy arrays (cached: a few us a plan otherwise)."""
-    rt = rule_tensors(rules, "cpu")
-    return rt["see"].numpy(), rt["causal"].numpy(), rt["window"].numpy()
+    """(see, causal, window) of `rule_arrays`."""
+    arrays = rule_arrays(rules)
+    return arrays["see"], arrays["causal"], arrays["window"]
 
 
 def _allowed_pairs_host(rules: Rules, t: _CpuTables) -> int:
@@ -418,13 +436,10 @@ class _Problem:
     def classify(self, ra: int, rb: int, narrow: bool) -> tuple[np.ndarray, int]:
         """Kinds of q-tile rows [ra, rb) as an int8 grid [rb - ra, width] of kv-tiles [j0, j0 + width),
         and j0: all kv-tiles (j0 = 0) unless `narrow`, then the band's reach."""
-        nk, block_n, S, big = self.nk, self.block_n, self.S, self.big
-        jf0, jf1, row_first, real_rows, row_base = (a[ra:rb] for a in self.rows)
-        (r0, r1, base, row_tile, s0, s1, v0, v1, causal, window, e_row, l_row, j_lo, j_hi) = self.pieces
-        if ra == 0 and rb == self.n_rows:
-            pa, pb = 0, row_tile.shape[0]
-        else:
-            pa, pb = (int(x) for x in np.searchsorted(row_tile, [ra, rb]))
+        nk = self.nk
+        jf0, jf1 = self.rows[0][ra:rb], self.rows[1][ra:rb]
+        row_tile = self.pieces[3]
+        pa, pb = self.piece_range(ra, rb)
         if narrow:
             lo, hi = self.reach
             j0 = int(lo[ra:rb].min())
@@ -443,13 +458,8 @@ class _Problem:
             element = np.arange(ra, rb) // self.nq
             full_bits = self.full_bits[element, j0 : j0 + width]
             seen_bits = self.seen_bits[element, j0 : j0 + width]
-        row_set = self.row_set[ra:rb, None]
         in_far = (j_all >= jf0[:, None]) & (j_all < jf1[:, None])
-        far_kind = np.where(
-            (row_set & ~full_bits) == 0,
-            np.int8(FULL),
-            np.where((row_set & seen_bits) == 0, np.int8(EMPTY), np.int8(PARTIAL)),
-        )
+        far_kind = _far_kind(self.row_set[ra:rb, None], full_bits, seen_bits)
         grid = np.where(in_far, far_kind, np.int8(EMPTY)).astype(np.int8, copy=False).reshape(-1)
         del in_far, far_kind
 
@@ -463,6 +473,25 @@ class _Problem:
             del owner, j
 
         # ---- near tiles: the rest of each piece's reach, counted exactly ---------------------------
+        t_row, t_col, kind = self.near_kinds(ra, pa, pb)
+        grid[t_row * width + (t_col - j0)] = kind
+        return grid.reshape(n_rows, width), j0
+
+    def piece_range(self, ra: int, rb: int) -> tuple[int, int]:
+        """[pa, pb): the pieces of q-tile rows [ra, rb) (pieces are sorted by row)."""
+        if ra == 0 and rb == self.n_rows:
+            return 0, self.pieces[3].shape[0]
+        pa, pb = np.searchsorted(self.pieces[3], [ra, rb])
+        return int(pa), int(pb)
+
+    def near_kinds(self, ra: int, pa: int, pb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row - ra, kv-tile, kind) of every near tile of pieces [pa, pb), each tile once, counted exactly.
+
+        Pieces [pa, pb) must be every piece of their q-tile rows (a tile's kind sums all of its row's pieces);
+        near tiles are disjoint from the rows' far and own tiles, so they are simply written over those."""
+        (r0, r1, base, row_tile, s0, s1, v0, v1, causal, window, e_row, l_row, j_lo, j_hi) = self.pieces
+        nk, block_n, S, big = self.nk, self.block_n, self.S, self.big
+        _, _, row_first, real_rows, row_base = self.rows
         n_pieces = row_tile.shape[0]
         if pa == 0 and pb == n_pieces:
             owner, j = _ragged(self.near_lo, self.near_hi)
@@ -500,18 +529,17 @@ class _Problem:
         n_above = np.zeros(tile.shape[0], dtype=np.int64)
         np.add.at(n_above, inverse, near_above)
         t_row, t_col = tile // nk, tile % nk
-        R0 = row_first[t_row]
-        R1 = R0 + real_rows[t_row]
-        C0 = row_base[t_row] + t_col * block_n
-        C1 = np.minimum(C0 + block_n, row_base[t_row] + S)
+        R0 = row_first[t_row + ra]
+        R1 = R0 + real_rows[t_row + ra]
+        C0 = row_base[t_row + ra] + t_col * block_n
+        C1 = np.minimum(C0 + block_n, row_base[t_row + ra] + S)
         area = (R1 - R0) * (C1 - C0)
         zeros = np.zeros_like(R0)
         below_or_on = self.prefix.window_sum(zeros, C0, C1, R0, R1, 1) - (R1 - R0) * C0
         kind = np.where(n_allowed == 0, EMPTY, PARTIAL)
         kind = np.where((n_above == 0) & (n_allowed == below_or_on) & (n_allowed > 0), CAUSAL, kind)
         kind = np.where(n_allowed == area, FULL, kind)
-        grid[t_row * width + (t_col - j0)] = kind
-        return grid.reshape(n_rows, width), j0
+        return t_row, t_col, kind
 
 
 def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> np.ndarray:
@@ -519,6 +547,166 @@ def _classify_host(rules: Rules, t: _CpuTables, block_m: int, block_n: int) -> n
     problem = _Problem(rules, t, block_m, block_n)
     grid, _ = problem.classify(0, problem.n_rows, narrow=False)
     return grid.reshape(-1)
+
+
+def _far_kind(row_set: np.ndarray, full_bits: np.ndarray, seen_bits: np.ndarray) -> np.ndarray:
+    """Kinds of far tiles (broadcast): full when every modality of the row sees all the tile's columns, empty
+    when none sees any, else partial."""
+    return np.where(
+        (row_set & ~full_bits) == 0,
+        np.int8(FULL),
+        np.where((row_set & seen_bits) == 0, np.int8(EMPTY), np.int8(PARTIAL)),
+    )
+
+
+# ---- statistics and pictures without the schedules (the command line's `plan` and `show`) ------------
+# Near tiles are counted a chunk of q-tile rows at a time, about this many near entries per chunk.
+NEAR_ENTRIES = 1 << 18
+
+
+def tile_counts(problem: _Problem) -> dict[str, int]:
+    """Tiles per kind, exactly what the schedules of `host_schedules` hold, without making them or any
+    [rows, kv-tiles] grid: O(segments + B * (nq + nk)) memory and time, plus the near tiles.
+
+    Far tiles are counted per (batch element, row modality set) from prefix sums of their kinds along the
+    kv-tiles; own tiles from their intervals (full, then causal from the diagonal); near tiles as `classify`
+    counts them. The three are disjoint per q-tile row, so their sums are the kinds' totals."""
+    nq, nk, n_rows = problem.nq, problem.nk, problem.n_rows
+    jf0, jf1 = problem.rows[0], problem.rows[1]
+    counts = np.zeros(4, dtype=np.int64)
+
+    # ---- far: rows grouped by (element, modality set); per group, prefix sums over its kv-tiles ----------
+    rows = np.flatnonzero(jf1 > jf0)
+    if rows.shape[0]:
+        keys = np.stack([rows // nq, problem.row_set[rows].astype(np.int64)], axis=1)
+        groups, first, group_of = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        group_of = group_of.reshape(-1)
+        order = np.argsort(group_of, kind="stable")
+        bounds = np.searchsorted(group_of[order], np.arange(groups.shape[0] + 1))
+        step = max(1, CHUNK_COST // max(nk, 1))
+        for g0 in range(0, groups.shape[0], step):
+            g1 = min(groups.shape[0], g0 + step)
+            element, sets = groups[g0:g1, 0], problem.row_set[rows[first[g0:g1]]]
+            kind = _far_kind(sets[:, None], problem.full_bits[element], problem.seen_bits[element])
+            members = order[bounds[g0] : bounds[g1]]
+            g, r = group_of[members] - g0, rows[members]
+            for code in (FULL, PARTIAL):
+                prefix = np.zeros((g1 - g0, nk + 1), dtype=np.int64)
+                np.cumsum(kind == code, axis=1, out=prefix[:, 1:])
+                counts[code] += int((prefix[g, jf1[r]] - prefix[g, jf0[r]]).sum())
+            del kind
+
+    # ---- own: intervals of whole-row pieces, causal from `own_causal_from` on ------------------------------
+    if problem.use_own:
+        size = problem.own_hi - problem.own_lo
+        causal = np.clip(problem.own_hi - np.maximum(problem.own_lo, problem.own_causal_from), 0, size)
+        counts[CAUSAL] += int(causal.sum())
+        counts[FULL] += int((size - causal).sum())
+
+    # ---- near: counted exactly, in chunks of whole q-tile rows ---------------------------------------------
+    for ra, rb in _near_chunks(problem):
+        _, _, kind = problem.near_kinds(ra, *problem.piece_range(ra, rb))
+        counts += np.bincount(kind, minlength=4)[:4]
+
+    visited = int(counts[FULL] + counts[CAUSAL] + counts[PARTIAL])
+    return {"empty": n_rows * nk - visited, "full": int(counts[FULL]), "causal": int(counts[CAUSAL]),
+            "partial": int(counts[PARTIAL])}
+
+
+def _near_chunks(problem: _Problem) -> list[tuple[int, int]]:
+    """[ra, rb) ranges of q-tile rows holding about NEAR_ENTRIES near entries each (one row at least)."""
+    near = np.maximum(problem.near_hi - problem.near_lo, 0).reshape(problem.n_parts, -1).sum(0)
+    per_row = np.bincount(problem.pieces[3], weights=near, minlength=problem.n_rows)
+    total = np.cumsum(per_row)
+    if not total.shape[0] or total[-1] <= NEAR_ENTRIES:
+        return [(0, problem.n_rows)]
+    cuts = np.searchsorted(total, np.arange(1, int(total[-1] // NEAR_ENTRIES) + 1) * NEAR_ENTRIES, side="right")
+    edges = np.unique(np.concatenate([[0], np.clip(cuts, 1, problem.n_rows), [problem.n_rows]]))
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+
+_KIND_BIT = np.array([1 << EMPTY, 1 << FULL, 1 << CAUSAL, 1 << PARTIAL], dtype=np.uint8)
+# A cell's bits -> its kind where exactly one kind is present, else -1 ("several kinds").
+_BITS_KIND = np.full(16, -1, dtype=np.int8)
+_BITS_KIND[_KIND_BIT] = [EMPTY, FULL, CAUSAL, PARTIAL]
+
+
+class KindCells:
+    """Tile kinds downsampled to cells of row_factor x col_factor tiles, per batch element: a cell is the kind
+    its tiles share, or -1 where they are of several kinds. Filled from grids of q-tile rows (`add`), so the
+    full [nq, nk] grid never has to exist: memory is one byte per cell plus the caller's band."""
+
+    def __init__(self, elements: int, nq: int, nk: int, row_factor: int, col_factor: int) -> None:
+        self.nq, self.nk, self.row_factor, self.col_factor = nq, nk, row_factor, col_factor
+        self.bits = np.zeros((elements, -(-nq // row_factor), -(-nk // col_factor)), dtype=np.uint8)
+
+    def add(self, element: int, q0: int, grid: np.ndarray, j0: int) -> None:
+        """Kinds of q-tiles [q0, q0 + len(grid)) of one element at kv-tiles [j0, j0 + width); the rest of
+        those rows' kv-tiles are empty."""
+        n, width = grid.shape
+        rf, cf = self.row_factor, self.col_factor
+        c_row0, c_row1 = q0 // rf, (q0 + n - 1) // rf + 1
+        cells = self.bits[element, c_row0:c_row1]
+        if width:
+            row_starts = np.unique(np.concatenate([[0], np.arange(-q0 % rf, n, rf)]))
+            col_starts = np.unique(np.concatenate([[0], np.arange(-j0 % cf, width, cf)]))
+            reduced = np.bitwise_or.reduceat(np.bitwise_or.reduceat(_KIND_BIT[grid], row_starts, axis=0),
+                                             col_starts, axis=1)
+            c_col0 = j0 // cf
+            cells[:, c_col0 : c_col0 + reduced.shape[1]] |= reduced
+        # Cells with kv-tiles outside [j0, j0 + width): those tiles are empty.
+        cells[:, : -(-j0 // cf) if width else cells.shape[1]] |= _KIND_BIT[EMPTY]
+        if j0 + width < self.nk:
+            cells[:, (j0 + width) // cf :] |= _KIND_BIT[EMPTY]
+
+    def kinds(self) -> np.ndarray:
+        """int8 [elements, cell rows, cell columns]: the kind of each cell, -1 for several."""
+        return _BITS_KIND[self.bits]
+
+
+def problem_kind_cells(problem: _Problem, elements: int, row_factor: int, col_factor: int) -> np.ndarray:
+    """`KindCells.kinds()` of the first `elements` batch elements, classified a band of q-tile rows at a time
+    (the schedules' memory bound without the schedules)."""
+    cells = KindCells(elements, problem.nq, problem.nk, row_factor, col_factor)
+    limit = elements * problem.nq
+    for ra, rb in problem.bands():
+        if ra >= limit:
+            break
+        rb = min(rb, limit)
+        grid, j0 = problem.classify(ra, rb, narrow=True)
+        _add_rows(cells, grid, ra, j0, problem.nq)
+        del grid
+    return cells.kinds()
+
+
+def schedule_kind_cells(fwd_ptr: np.ndarray, fwd_kv: np.ndarray, nq: int, nk: int, elements: int,
+                        row_factor: int, col_factor: int) -> np.ndarray:
+    """`KindCells.kinds()` of the first `elements` batch elements of a forward schedule."""
+    cells = KindCells(elements, nq, nk, row_factor, col_factor)
+    band = max(1, (1 << 22) // max(nk, 1))
+    for ra in range(0, elements * nq, band):
+        rb = min(elements * nq, ra + band)
+        _add_rows(cells, schedule_rows(fwd_ptr, fwd_kv, ra, rb, nk), ra, 0, nq)
+    return cells.kinds()
+
+
+def _add_rows(cells: KindCells, grid: np.ndarray, ra: int, j0: int, nq: int) -> None:
+    """A grid of global q-tile rows [ra, ra + len(grid)) into `cells`, split at batch elements."""
+    rb = ra + grid.shape[0]
+    edges = sorted({ra, rb, *range((ra // nq + 1) * nq, rb, nq)})
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        cells.add(lo // nq, lo % nq, grid[lo - ra : hi - ra], j0)
+
+
+def schedule_rows(fwd_ptr: np.ndarray, fwd_kv: np.ndarray, ra: int, rb: int, nk: int) -> np.ndarray:
+    """Dense kinds int8 [rb - ra, nk] of q-tile rows [ra, rb), from the forward schedule."""
+    ptr = fwd_ptr.astype(np.int64)
+    dense = np.zeros((rb - ra) * nk, dtype=np.int8)
+    per_group = ptr[3 * ra + 1 : 3 * rb + 1] - ptr[3 * ra : 3 * rb]
+    group = np.repeat(np.arange(3 * (rb - ra)), per_group)
+    cols = fwd_kv[int(ptr[3 * ra]) : int(ptr[3 * rb])].astype(np.int64)
+    dense[(group // 3) * nk + cols] = np.array(SCHEDULE_KINDS, dtype=np.int8)[group % 3]
+    return dense.reshape(rb - ra, nk)
 
 
 def _available_bytes() -> int | None:
@@ -576,6 +764,27 @@ def _check_memory(problem: _Problem, banded: bool, available: int | None = None)
     )
 
 
+def check_summary_memory(batch_size: int, seq_len: int, n_segments: int, n_modalities: int, block_m: int,
+                         block_n: int, available: int | None = None) -> None:
+    """Raise PlanMemoryError, before the tables are made, when a summary (statistics without schedules) would
+    not fit: its memory is O(tokens + segments + tile rows) plus one band's temporaries, never the plan's."""
+    n_tokens = batch_size * seq_len
+    tile_rows = batch_size * (-(-seq_len // block_m) + -(-seq_len // block_n))
+    # Bytes: the packed tables and the prefix sums' copy of the token table (8 per token), the prefix sums'
+    # per-segment rows, ~40 int64 arrays per piece and per tile row (pieces <= segments + tile rows), a band.
+    need = 8 * n_tokens + 24 * (1 + 2 * n_modalities) * n_segments + 320 * (n_segments + tile_rows) + CHUNK_BYTES
+    if available is None and need < CHECK_FROM:
+        return
+    available = _available_bytes() if available is None else available
+    if available is None or need <= available:
+        return
+    element = f"{seq_len:,} tokens" + (f" x {batch_size}" if batch_size > 1 else "")
+    raise PlanMemoryError(
+        f"summarizing the plan of {element} with {block_m}x{block_n} tiles needs about {need / 2**30:.1f} GiB "
+        f"but {available / 2**30:.1f} GiB is available; use a shorter layout (the memory grows with the tokens)"
+    )
+
+
 def _schedules_banded(problem: _Problem, bands: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
     """The four schedules, classifying one band of q-tile rows at a time: peak memory ~16 bytes per
     visited tile plus one band's temporaries.
@@ -627,6 +836,8 @@ def _schedules_banded(problem: _Problem, bands: list[tuple[int, int]]) -> tuple[
 
 def _schedules(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward (per q-tile row) and backward (per kv-tile column) schedules from a [B, nq, nk] CPU kind grid."""
+    import torch
+
     return tuple(torch.from_numpy(a) for a in _schedules_host(grid.numpy()))
 
 

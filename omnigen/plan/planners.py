@@ -3,11 +3,12 @@ and masks."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import cuda_problem
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _check_block(value: Any, name: str) -> int:
@@ -18,6 +19,8 @@ def _check_block(value: Any, name: str) -> int:
 
 def _check_device(device: Any) -> torch.device:
     """`device` as a torch.device that exists here, else a ValueError saying what to do."""
+    import torch
+
     if device is None:
         return torch.device("cpu")
     try:

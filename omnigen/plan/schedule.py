@@ -6,14 +6,17 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..layout import LayoutTables
 from ..semantics import KIND_NAMES, SCHEDULE_KINDS
+from .host import schedule_kind_cells, schedule_rows
+from .summary import PlanStatistics
 
 
 @dataclass
-class Plan:
+class Plan(PlanStatistics):
     """Which tiles a kernel visits and how, for one layout (or a batch) and one tile shape.
 
     Forward schedule (per q-tile row r = b * num_q_tiles + i): kv-tile indices
@@ -46,14 +49,6 @@ class Plan:
         return self.pair_count
 
     @property
-    def num_q_tiles(self) -> int:
-        return -(-self.seq_len // self.block_m)
-
-    @property
-    def num_kv_tiles(self) -> int:
-        return -(-self.seq_len // self.block_n)
-
-    @property
     def num_tiles(self) -> int:
         """Tiles a kernel visits (every non-empty tile)."""
         return int(self.fwd_kv.shape[0])
@@ -66,22 +61,28 @@ class Plan:
     def kinds(self) -> torch.Tensor:
         """Dense tile kinds, int8 [nq, nk] (or [B, nq, nk] for a batch): 0 empty 1 full 2 causal 3 partial.
 
-        Made on demand from the forward schedule, a band of q-tile rows at a time (so its temporaries
-        stay small next to the int8 result, even for a million-token plan)."""
+        Made on demand on the host from the forward schedule (`host.schedule_rows`), a band of q-tile rows at
+        a time (so its temporaries stay small next to the int8 result, even for a million-token plan), then
+        placed on the plan's device."""
         nq, nk = self.num_q_tiles, self.num_kv_tiles
         rows = self.batch_size * nq
-        dense = torch.zeros(rows * nk, dtype=torch.int8, device=self.device)
-        kinds = torch.tensor(SCHEDULE_KINDS, dtype=torch.int8, device=self.device)
-        ptr = self.fwd_ptr.long()
+        fwd_ptr, fwd_kv = self._host_forward()
+        dense = np.empty((rows, nk), dtype=np.int8)
         band = max(1, (1 << 22) // max(nk, 1))
         for ra in range(0, rows, band):
             rb = min(rows, ra + band)
-            per_group = ptr[3 * ra + 1 : 3 * rb + 1] - ptr[3 * ra : 3 * rb]
-            group = torch.repeat_interleave(torch.arange(3 * ra, 3 * rb, device=self.device), per_group)
-            cols = self.fwd_kv[int(ptr[3 * ra]) : int(ptr[3 * rb])].long()
-            dense[(group // 3) * nk + cols] = kinds[group % 3]
-        dense = dense.view(self.batch_size, nq, nk)
-        return dense if self.batched else dense[0]
+            dense[ra:rb] = schedule_rows(fwd_ptr, fwd_kv, ra, rb, nk)
+        kinds = torch.from_numpy(dense).view(self.batch_size, nq, nk).to(self.device)
+        return kinds if self.batched else kinds[0]
+
+    def kind_cells(self, elements: int, row_factor: int, col_factor: int) -> np.ndarray:
+        fwd_ptr, fwd_kv = self._host_forward()
+        return schedule_kind_cells(fwd_ptr, fwd_kv, self.num_q_tiles, self.num_kv_tiles, elements, row_factor,
+                                   col_factor)
+
+    def _host_forward(self) -> tuple[np.ndarray, np.ndarray]:
+        """fwd_ptr and fwd_kv as numpy arrays (views of CPU tensors, copies of others)."""
+        return self.fwd_ptr.cpu().numpy(), self.fwd_kv.cpu().numpy()
 
     def counts(self) -> dict[str, int]:
         total = self.batch_size * self.num_q_tiles * self.num_kv_tiles
@@ -89,17 +90,6 @@ class Plan:
         out = {KIND_NAMES[k]: int(n) for k, n in zip(SCHEDULE_KINDS, sizes)}
         out["empty"] = total - sum(sizes)
         return {name: out[name] for name in ("empty", "full", "causal", "partial")}
-
-    @property
-    def density(self) -> float:
-        return self.allowed_pairs / float(self.batch_size * self.seq_len * self.seq_len)
-
-    @property
-    def partial_fraction(self) -> float:
-        """Share of visited tiles that need the rules' predicate."""
-        counts = self.counts()
-        visited = counts["full"] + counts["causal"] + counts["partial"]
-        return counts["partial"] / visited if visited else 0.0
 
     def nbytes(self) -> int:
         """Bytes of schedule metadata a kernel reads (the O(S) layout tables not included)."""
@@ -122,20 +112,6 @@ class Plan:
         _check_tile_index("kv_tile", kv_tile, self.num_kv_tiles, self.seq_len, self.block_n, "block_n")
         _check_tile_index("batch", batch, self.batch_size)
         return _schedule_row(self.bwd_ptr, self.bwd_q, batch * self.num_kv_tiles + kv_tile)
-
-    def stats(self) -> dict[str, Any]:
-        counts = self.counts()
-        return {
-            "seq_len": self.seq_len,
-            "batch": self.batch_size,
-            "block_m": self.block_m,
-            "block_n": self.block_n,
-            "tiles": counts,
-            "allowed_pairs": self.allowed_pairs,
-            "density": self.density,
-            "partial_fraction": self.partial_fraction,
-            "metadata_bytes": self.nbytes(),
-        }
 
     def to(self, device: torch.device | str) -> "Plan":
         moved = {name: getattr(self, name).to(device) for name in ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q")}

@@ -1,0 +1,153 @@
+"""The torch-free host path (issue 28: `omnigen show` / `plan` without torch) gives what the torch API gives.
+
+- `omnigen.plan.summarize` (what the command line prints: tile counts in closed form, no schedules) has the
+  same `stats()` as `omnigen.plan(...)`;
+- its tile pictures (`kind_cells`, classified band by band) equal the `Plan`'s and an independent grouping of
+  `plan.kinds`;
+- `host.host_schedules` (numpy) equals the dense reference path `host._classify` + `host._schedules`, and
+  `Plan`'s tensors hold exactly those arrays;
+- `semantics.dense_mask_host` (numpy) equals `Rules.dense_mask`;
+
+on hypothesis-drawn layouts for every examples/rules file and random rules, with the planner's size
+thresholds also forced low, so that bands, own intervals and near chunks are exercised on small layouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import omnigen
+from omnigen.plan import host, summarize
+from omnigen.semantics import dense_mask_host
+
+from strategies import layouts, rules as random_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = {path.stem: omnigen.Rules.load(path) for path in sorted((ROOT / "examples" / "rules").glob("*.yaml"))}
+BLOCKS = st.sampled_from((16, 32, 48, 64))
+# "small": the planner's own thresholds; "forced": every size threshold low, so a 300-token layout is planned
+# in bands, with own intervals, and its near tiles counted in many chunks.
+MODES = ("small", "forced")
+
+
+@contextlib.contextmanager
+def _mode(mode: str):
+    if mode == "small":
+        yield
+        return
+    with mock.patch.object(host, "CHUNK_COST", 64), mock.patch.object(host, "OWN_FROM", 0), \
+            mock.patch.object(host, "NEAR_ENTRIES", 3), mock.patch.object(host, "COUNT_SLICE", 5):
+        yield
+
+
+@st.composite
+def batches(draw, rule_set: omnigen.Rules) -> omnigen.Layout | omnigen.LayoutBatch:
+    """One layout, or a batch of 2-3 padded to one length."""
+    items = [draw(layouts(rule_set)) for _ in range(draw(st.sampled_from((1, 1, 2, 3))))]
+    if len(items) == 1:
+        return items[0]
+    longest = max(item.seq_len for item in items)
+    return omnigen.Layout.batch([item.pad_end(longest) for item in items])
+
+
+def _grouped_reference(kinds: np.ndarray, row_factor: int, col_factor: int) -> np.ndarray:
+    """Cells of row_factor x col_factor tiles from a dense [nq, nk] grid, one cell at a time: the kind if its
+    tiles share one, else -1."""
+    nq, nk = kinds.shape
+    out = np.empty((math.ceil(nq / row_factor), math.ceil(nk / col_factor)), dtype=np.int8)
+    for r in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            cell = np.unique(kinds[r * row_factor:(r + 1) * row_factor, c * col_factor:(c + 1) * col_factor])
+            out[r, c] = cell[0] if cell.shape[0] == 1 else -1
+    return out
+
+
+def _check(rule_set: omnigen.Rules, layout, block_m: int, block_n: int, factors: tuple[int, int], mode: str) -> None:
+    with _mode(mode):
+        plan = omnigen.plan(rule_set, layout, block_m=block_m, block_n=block_n)
+        summary = summarize(rule_set, layout, block_m=block_m, block_n=block_n)
+        assert summary.stats() == plan.stats()
+        assert summary.num_tiles == plan.num_tiles
+        assert summary.tables.nbytes() == plan.tables.nbytes()
+
+        # the numpy schedules are the tensors' arrays, and those of the dense reference path
+        tables = layout.tables(rule_set, "cpu")
+        numpy_schedules = host.host_schedules(rule_set, host._CpuTables.of(layout.host_tables(rule_set)),
+                                              block_m, block_n)
+    grid, allowed = host._classify(rule_set, tables, block_m, block_n)
+    reference = host._schedules(grid.view(plan.batch_size, plan.num_q_tiles, plan.num_kv_tiles))
+    for name, mine, theirs, tensor in zip(("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q"), numpy_schedules, reference,
+                                          (plan.fwd_ptr, plan.fwd_kv, plan.bwd_ptr, plan.bwd_q)):
+        assert np.array_equal(mine, theirs.numpy()), name
+        assert np.array_equal(mine, tensor.numpy()), name
+    assert allowed == plan.allowed_pairs == summary.allowed_pairs
+
+    # pictures: the summary's band-by-band cells, the plan's from its schedule, a cell-by-cell grouping
+    kinds = plan.kinds if plan.batched else plan.kinds[None]
+    assert torch.equal(kinds.view(-1), grid.view(-1))
+    with _mode(mode):
+        from_summary = summary.kind_cells(plan.batch_size, *factors)
+    from_plan = plan.kind_cells(plan.batch_size, *factors)
+    for b in range(plan.batch_size):
+        expected = _grouped_reference(kinds[b].numpy(), *factors)
+        assert np.array_equal(from_plan[b], expected), b
+        assert np.array_equal(from_summary[b], expected), b
+
+    assert np.array_equal(dense_mask_host(rule_set, layout), rule_set.dense_mask(layout).numpy())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@settings(max_examples=25)
+@given(data=st.data())
+def test_host_path_equals_the_torch_path_on_examples(name: str, mode: str, data):
+    rule_set = EXAMPLES[name]
+    layout = data.draw(batches(rule_set))
+    block_m, block_n = data.draw(BLOCKS), data.draw(BLOCKS)
+    factors = data.draw(st.sampled_from(((1, 1), (2, 1), (2, 3), (4, 2), (5, 7))))
+    _check(rule_set, layout, block_m, block_n, factors, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=60)
+@given(data=st.data())
+def test_host_path_equals_the_torch_path_on_random_rules(mode: str, data):
+    rule_set = data.draw(random_rules())
+    layout = data.draw(batches(rule_set))
+    factors = data.draw(st.sampled_from(((1, 1), (3, 2))))
+    _check(rule_set, layout, data.draw(BLOCKS), data.draw(BLOCKS), factors, mode)
+
+
+@pytest.mark.parametrize("text", [
+    "text:20000",                                                        # one causal segment: own tiles only
+    "text:700 image:1024 text:300 image:1024 text:200@1 image:4096@1 text:9000@1",
+    "text:6000 image:256 text:3000@1",
+])
+def test_large_layouts_own_tiles_and_bands(text: str):
+    """Grids above OWN_FROM (own intervals in closed form) and plans in several bands, at the planner's own
+    thresholds: 16 x 16 tiles over ~20K tokens is ~1.6M tiles."""
+    rule_set = EXAMPLES["transfusion"]
+    layout = omnigen.Layout.parse(text)
+    plan = omnigen.plan(rule_set, layout, block_m=16, block_n=16)
+    summary = summarize(rule_set, layout, block_m=16, block_n=16)
+    assert summary.stats() == plan.stats()
+    factors = (7, 5)
+    assert np.array_equal(summary.kind_cells(1, *factors), plan.kind_cells(1, *factors))
+
+
+def test_summary_checks_its_arguments():
+    with pytest.raises(TypeError, match="omnigen.Rules"):
+        summarize("rules.yaml", "text:10")
+    with pytest.raises(ValueError, match="block_m must be a positive multiple of 16"):
+        summarize(EXAMPLES["transfusion"], "text:10", block_m=20)
+    with pytest.raises(ValueError, match="video"):
+        summarize(EXAMPLES["transfusion"], "video:10")
