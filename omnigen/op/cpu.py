@@ -155,21 +155,21 @@ def backward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: to
     masker = _Masker(rules, schedules)
     with torch.no_grad():
         for b, r0, r1, spans in _rows(schedules, Hq):
-            qb = _group_rows(qc[b, :, r0:r1], Hkv)
+            qs = _group_rows(qc[b, :, r0:r1] * scale, Hkv)  # scaled once: S = qs K^T and dK = dS^T qs
             dob = _group_rows(d_out[b, :, r0:r1].to(acc), Hkv)
-            delta = (dob * _group_rows(out[b, :, r0:r1].to(acc), Hkv)).sum(-1, keepdim=True)  # rowsum(dO * O)
-            row_lse = lse[b, :, r0:r1].to(acc).reshape(Hkv, -1, 1)
-            # An empty row (lse -inf) has every visited score masked: -inf - inf gives p = 0, never NaN.
-            row_lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
-            dqb = torch.zeros_like(qb)
+            neg_delta = -(dob * _group_rows(out[b, :, r0:r1].to(acc), Hkv)).sum(-1, keepdim=True)  # -rowsum(dO*O)
+            neg_lse = -lse[b, :, r0:r1].to(acc).reshape(Hkv, -1, 1)
+            # An empty row (lse -inf) has every visited score masked: -inf, never -inf + inf, so p = 0 and no NaN.
+            neg_lse.masked_fill_(neg_lse == float("inf"), float("-inf"))
+            dqb = torch.zeros_like(qs)
             for kind, c0, c1 in spans:
                 ks, vs = kc[b, :, c0:c1], vc[b, :, c0:c1]
-                s = torch.matmul(qb, ks.transpose(-1, -2)).mul_(scale)
+                s = torch.baddbmm(neg_lse, qs, ks.transpose(-1, -2))  # S - lse, the subtraction inside the product
                 masker.apply_(s, kind, b, r0, r1, c0, c1)
-                p = s.sub_(row_lse).exp_()
+                p = s.exp_()
                 dv[b, :, c0:c1].baddbmm_(p.transpose(-1, -2), dob)
-                ds = torch.matmul(dob, vs.transpose(-1, -2)).sub_(delta).mul_(p)
-                dk[b, :, c0:c1].baddbmm_(ds.transpose(-1, -2), qb, alpha=scale)
+                ds = torch.baddbmm(neg_delta, dob, vs.transpose(-1, -2)).mul_(p)  # P * (dO V^T - delta)
+                dk[b, :, c0:c1].baddbmm_(ds.transpose(-1, -2), qs)
                 dqb.baddbmm_(ds, ks)
             dq[b, :, r0:r1] = dqb.mul_(scale).view(Hq, r1 - r0, D)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
