@@ -807,9 +807,28 @@ def add_ratios(runs: list[dict]) -> None:
         r["ladder_pct"] = round(100 * (x - dense) / (cudnn - dense), 1) if cudnn and dense and cudnn != dense else None
 
 
+def smoothed_gap(curve: list[float], ref: list[float], window: int = 20) -> dict:
+    """Whether two loss curves agree within bf16 noise, judged as the example judges it: runs that start from
+    the same weights on the same data differ only by rounding, which grows into a different trajectory, so
+    single steps drift apart; the `window`-step means over the second half must stay within the curve's own
+    step-to-step noise (mean |loss[i] - loss[i-1]|), or within 2% of the loss where that noise is tiny."""
+    def smooth(xs: list[float]) -> list[float]:
+        return [sum(xs[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
+
+    n = min(len(curve), len(ref))
+    half = n // 2
+    a, b = smooth(curve[:n]), smooth(ref[:n])
+    gap = max(abs(x - y) for x, y in zip(a[half:], b[half:]))
+    steps = [abs(x - y) for x, y in zip(curve[half + 1:n], curve[half:n - 1])]
+    noise = sum(steps) / max(1, len(steps))
+    return {"window": window, "max_smoothed_gap": round(gap, 5), "step_to_step_noise": round(noise, 5),
+            "within_noise": bool(gap <= max(noise, 0.02 * abs(b[-1])))}
+
+
 def loss_agreement(runs: list[dict]) -> list[dict]:
     """Per (config, S): how far each multimodal backend's loss curve is from sdpa_dense's (or the first
-    that ran): the largest absolute difference over all steps, at the first step and at the last."""
+    that ran): the largest absolute difference over all steps, at the first step and at the last, and, for
+    runs of 40 steps or more, the smoothed gap against the step-to-step noise (`smoothed_gap`)."""
     out = []
     for key in dict.fromkeys((r["config"], r["S"]) for r in runs):
         curves = {r["backend"]: r["losses"] for r in runs if (r["config"], r["S"]) == key
@@ -822,10 +841,13 @@ def loss_agreement(runs: list[dict]) -> list[dict]:
             if name == ref_name:
                 continue
             diffs = [abs(a - b) for a, b in zip(curve, ref)]
-            out.append({"config": key[0], "S": key[1], "backend": name, "reference": ref_name, "steps": len(diffs),
-                        "max_abs_diff": round(max(diffs), 5), "first_step_diff": round(diffs[0], 5),
-                        "last_step_diff": round(diffs[-1], 5),
-                        "last_step_rel_diff": round(diffs[-1] / max(abs(ref[-1]), 1e-9), 5)})
+            row = {"config": key[0], "S": key[1], "backend": name, "reference": ref_name, "steps": len(diffs),
+                   "max_abs_diff": round(max(diffs), 5), "first_step_diff": round(diffs[0], 5),
+                   "last_step_diff": round(diffs[-1], 5),
+                   "last_step_rel_diff": round(diffs[-1] / max(abs(ref[-1]), 1e-9), 5)}
+            if len(diffs) >= 40:
+                row.update(smoothed_gap(curve, ref))
+            out.append(row)
     return out
 
 
@@ -872,7 +894,10 @@ def table(result: dict) -> str:
     for a in result.get("loss_agreement", []):
         lines.append(f"loss {a['config']} S={a['S']} {a['backend']} vs {a['reference']}: "
                      f"max |diff| {a['max_abs_diff']:.4f} over {a['steps']} steps "
-                     f"(first {a['first_step_diff']:.4f}, last {a['last_step_diff']:.4f})")
+                     f"(first {a['first_step_diff']:.4f}, last {a['last_step_diff']:.4f})"
+                     + (f"; {a['window']}-step means over the second half within {a['max_smoothed_gap']:.4f}, "
+                        f"step-to-step noise {a['step_to_step_noise']:.4f}: "
+                        f"{'within' if a['within_noise'] else 'NOT within'} bf16 noise" if "within_noise" in a else ""))
     lines.append("x flex, x cudnn_causal: tokens/s ratios; ladder: (x - sdpa_dense) / (cudnn_causal - sdpa_dense); "
                  "cudnn_causal computes the plain causal mask (a ceiling); ms: GPU kernel time per step (profiler; "
                  "unclass.: attention-like kernels of no known direction, see classify_kernel)")

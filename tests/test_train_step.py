@@ -223,3 +223,16 @@ def test_a_tiny_gpu_run_trains_every_backend(tmp_path, monkeypatch):
         assert runs[name]["losses"][0] == pytest.approx(first, rel=2e-2)
     assert runs["omnigen"]["attn_fwd_ms"] > 0 and runs["omnigen"]["attn_bwd_ms"] > 0
     assert runs["omnigen"]["peak_mib"] > 0 and runs["omnigen"]["vs_flex"] is not None
+
+
+def test_smoothed_gap_tells_noise_from_a_drift():
+    import random
+
+    rng = random.Random(0)
+    base = [10.0 * 0.99 ** i for i in range(200)]
+    noisy_a = [x + rng.uniform(-0.3, 0.3) for x in base]
+    noisy_b = [x + rng.uniform(-0.3, 0.3) for x in base]
+    assert train_step.smoothed_gap(noisy_a, noisy_b)["within_noise"]
+    drifted = [x + 0.5 + rng.uniform(-0.05, 0.05) for x in base]  # a real difference, larger than the jitter
+    verdict = train_step.smoothed_gap(drifted, noisy_b)
+    assert not verdict["within_noise"] and verdict["max_smoothed_gap"] > verdict["step_to_step_noise"]
