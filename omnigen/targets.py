@@ -7,7 +7,7 @@ keeping its own list. The layers above read these names; nothing here imports om
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -77,22 +77,47 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
+class KernelOptions:
+    """A kernel family's choices of code path beyond the tile shape: part of a variant as the tile is (frozen,
+    compared, and where they differ from the defaults, named in the label and hashed into the module name).
+    A family with choices subclasses this with its fields and their defaults (sm90:
+    omnigen.kernels.sm90.options.HopperOptions); the base class has none."""
+
+    def changed(self) -> dict[str, object]:
+        """The fields that differ from the defaults (a default-constructed instance), by name, in field order."""
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+    @property
+    def label(self) -> str:
+        """The changed fields as an identifier part: `persistent0_ordered_section_pairs16` ("" for the defaults)."""
+        return "_".join(f"{name}{int(value)}" for name, value in self.changed().items())
+
+
+@dataclass(frozen=True)
 class KernelConfig:
-    """One compiled variant: head dim, dtype, target arch and tile shape.
+    """One compiled variant: head dim, dtype, target arch, tile shape, and the family's options.
 
     What a variant *needs* (shared memory, registers, which tiles its templates accept) is its kernel
-    family's business: `omnigen.kernels.problems(config)` asks the family."""
+    family's business: `omnigen.kernels.problems(config)` asks the family. Options equal to their
+    defaults are stored as None, so a variant has one spelling (and one module name)."""
 
     head_dim: int
     dtype: str
     arch: str
     tile: TileConfig = field(default=DEFAULT_TILE)
     kernel_family: str = ""  # "": the arch's own family (ARCH_TABLE); else one that also builds for the arch
+    options: KernelOptions | None = None  # None: the family's defaults
+
+    def __post_init__(self) -> None:
+        if self.options is not None and not self.options.changed():
+            object.__setattr__(self, "options", None)
 
     @property
     def label(self) -> str:
         named = f"_{self.kernel_family}" if self.kernel_family and self.kernel_family != self.arch_family else ""
-        return f"{self.dtype}_d{self.head_dim}_{self.tile.label}_{self.arch}{named}"
+        options = f"_{self.options.label}" if self.options is not None else ""
+        return f"{self.dtype}_d{self.head_dim}_{self.tile.label}_{self.arch}{named}{options}"
 
     @property
     def threads(self) -> int:
@@ -132,8 +157,10 @@ class KernelConfig:
         }
         if self.kernel_family and self.kernel_family != self.arch_family:
             out["family"] = self.kernel_family
+        if self.options is not None:
+            out["options"] = self.options.changed()
         return out
 
 
 __all__ = ["ARCHS", "ARCH_TABLE", "Arch", "CAPABILITY_ARCH", "DEFAULT_ARCHS", "DEFAULT_TILE", "DTYPES",
-           "ELEMENT_TYPES", "HEAD_DIMS", "KernelConfig", "KernelSpec", "TileConfig", "arch_for_capability"]
+           "ELEMENT_TYPES", "HEAD_DIMS", "KernelConfig", "KernelOptions", "KernelSpec", "TileConfig", "arch_for_capability"]

@@ -31,22 +31,28 @@ def parse_tile(text: str) -> omnigen.TileConfig:
     return omnigen.TileConfig(block_m=int(m), block_n=int(n), warps=int(w), stages=int(s or 2))
 
 
-def add_switch_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--switch", nargs="+", default=[], metavar="NAME",
-                        help="sm90 resources switches to turn on before building (e.g. ORDERED_DQ GQA_IN_KERNEL "
-                             "STORE_BY_TMA); one setting per process, since a process loads one module per name")
+def add_options_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--options", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="sm90 kernel options (omnigen.kernels.sm90.options.HopperOptions) of the variants built, "
+                             "e.g. persistent=0 ordered_section_pairs=16 (0/1 for booleans)")
 
 
-def turn_on_switches(parser: argparse.ArgumentParser, names: list[str]) -> None:
-    """--switch: set these sm90 resources switches (module-level booleans read when sources are rendered)."""
-    if not names:
-        return
-    from omnigen.kernels.sm90 import resources
+def parse_options(parser: argparse.ArgumentParser, texts: list[str]) -> dict[str, bool | int]:
+    """--options NAME=VALUE ...: HopperOptions fields, typed as the dataclass declares them."""
+    if not texts:
+        return {}
+    import dataclasses
 
-    for name in names:
-        if not isinstance(getattr(resources, name, None), bool):
-            parser.error(f"--switch {name}: this tree's sm90 resources have no such switch")
-        setattr(resources, name, True)
+    from omnigen.kernels.sm90.options import HopperOptions
+
+    types = {f.name: f.type for f in dataclasses.fields(HopperOptions)}
+    out: dict[str, bool | int] = {}
+    for text in texts:
+        name, _, value = text.partition("=")
+        if name not in types or not re.fullmatch(r"-?\d+", value):
+            parser.error(f"--options {text}: expected NAME=INTEGER with NAME one of {', '.join(types)}")
+        out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
+    return out
 
 
 def main() -> None:
@@ -62,16 +68,16 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="time the backward's deterministic mode")
     parser.add_argument("--build-only", action="store_true",
                         help="build every (rules, dim, tile) module at once (threads; nvcc in parallel) and exit")
-    add_switch_option(parser)
+    add_options_option(parser)
     args = parser.parse_args()
-    turn_on_switches(parser, args.switch)
+    options = parse_options(parser, args.options)
 
     if args.build_only:
         from concurrent.futures import ThreadPoolExecutor
 
         jobs = [(RULES[r], d, t) for r in args.rules for d in args.dims for t in args.tiles]
         with ThreadPoolExecutor(len(jobs)) as pool:
-            list(pool.map(lambda job: build(*job, args.family), jobs))
+            list(pool.map(lambda job: build(*job, args.family, options), jobs))
         print(f"built {len(jobs)} modules")
         return
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TF':>7} {'bwd TF':>7} {'f+b TF':>7}")
@@ -84,7 +90,7 @@ def main() -> None:
                 flops = 4.0 * dim * pairs * args.heads
                 q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0, heads_kv=args.heads_kv)
                 for tile in args.tiles:
-                    kernel = build(rules, dim, tile, args.family)
+                    kernel = build(rules, dim, tile, args.family, options)
                     forward_ms = bench(lambda: kernel(q, k, v, layout))
                     both_ms = bench(lambda: torch.autograd.grad(
                         kernel(q, k, v, layout, deterministic=args.deterministic), (q, k, v), d_o))

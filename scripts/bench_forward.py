@@ -3,9 +3,9 @@
 For kernel work on one GPU: each (rules, D, S) row times omnigen's forward for every --variants entry
 (FAMILY:TILE, e.g. sm80:128x64w4 sm90:128x128w12) and SDPA flash / cuDNN on the plain causal mask at the
 same shape. Effective TFLOP/s count allowed pairs only (docs/measuring.md); the causal peers count S(S+1)/2.
---persistent on/off/both pins the sm90 forward's scheduling (omnigen.kernels.sm90.resources.PERSISTENT;
-default: the tree's setting); "both" times every sm90 variant as a grid of tiles and as a persistent grid
-(labelled +p) in one process.
+--persistent on/off/both pins the sm90 forward's scheduling (the `persistent` kernel option; default: the tree's
+default); "both" times every sm90 variant as a grid of tiles and as a persistent grid (labelled +p) in one
+process. --options NAME=VALUE sets other sm90 kernel options (omnigen.kernels.sm90.options.HopperOptions).
 
     PYTHONPATH=. python3 scripts/bench_forward.py --variants sm80:128x64w4 sm90:128x128w12 --sizes 8192 32768
     PYTHONPATH=. python3 scripts/bench_forward.py --variants sm90:128x128w12 --persistent both --rules causal
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
 from kernel_workload import RULES, bench, build, random_inputs, standard_batch  # noqa: E402
-from bench_backward import add_switch_option, parse_tile, turn_on_switches  # noqa: E402
+from bench_backward import add_options_option, parse_options, parse_tile  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, omnigen.TileConfig]:
@@ -38,20 +38,12 @@ def persistent_modes(choice: str, family: str) -> list[bool | None]:
     return {"on": [True], "off": [False], "both": [False, True]}[choice]
 
 
-def build_variant(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str, persistent: bool | None):
-    """build(), with the sm90 forward's scheduling pinned. A module's name does not say whether it is
-    persistent and a process loads one module per name: each scheduling builds under its own rules name."""
-    if persistent is None:
-        return build(rules, dim, tile, family)
-    from omnigen.kernels.sm90 import resources
-
-    named = omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{'persistent' if persistent else 'grid'}"})
-    saved = resources.PERSISTENT
-    resources.PERSISTENT = persistent
-    try:
-        return build(named, dim, tile, family)
-    finally:
-        resources.PERSISTENT = saved
+def build_variant(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str, persistent: bool | None,
+                  options: dict):
+    """build(), with the sm90 forward's scheduling pinned (the `persistent` option) where asked."""
+    if persistent is not None:
+        options = {**options, "persistent": persistent}
+    return build(rules, dim, tile, family, options if family == "sm90" else None)
 
 
 def sdpa_ms(q, k, v, backend) -> float | None:
@@ -76,9 +68,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--persistent", choices=("default", "on", "off", "both"), default="default",
                         help="the sm90 forward's scheduling: the tree's setting, persistent, one CTA per tile, or both")
-    add_switch_option(parser)
+    add_options_option(parser)
     args = parser.parse_args()
-    turn_on_switches(parser, args.switch)
+    options = parse_options(parser, args.options)
 
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'variant':<22} {'fwd ms':>8} {'TFLOP/s':>8}")
     for dim in args.dims:
@@ -99,7 +91,7 @@ def main() -> None:
                     for persistent in persistent_modes(args.persistent, family):
                         label = f"{family}:{tile.label}" + ("+p" if persistent else "")
                         try:
-                            kernel = build_variant(rules, dim, tile, family, persistent)
+                            kernel = build_variant(rules, dim, tile, family, persistent, options)
                         except ValueError as exc:
                             print(f"{rules_name:<12} {dim:>4} {S:>6} {label:<22} skipped: {exc}")
                             continue

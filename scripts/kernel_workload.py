@@ -55,8 +55,19 @@ def bench(fn: Callable) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def build(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str | None):
-    """omnigen.build pinned to a tile (and a kernel family, where this tree knows families)."""
+def build(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str | None, options: dict | None = None):
+    """omnigen.build pinned to a tile (and a kernel family, where this tree knows families); `options` (sm90
+    HopperOptions fields, trees with kernel options only) builds that variant of the module as a pinned Kernel."""
+    if options:
+        import dataclasses
+
+        from omnigen.jit import cache
+        from omnigen.kernels.sm90.options import HopperOptions
+        from omnigen.op.kernel import Kernel
+
+        config = build(rules, dim, tile, family).config
+        config = dataclasses.replace(config, options=HopperOptions(**options))
+        return Kernel(rules, config, cache.get_module(rules, config))
     if family is None:
         return omnigen.build(rules, dim, torch.bfloat16, tile=tile)
     return omnigen.build(rules, dim, torch.bfloat16, tile=tile, family=family)

@@ -9,6 +9,12 @@ into another namespace or translation unit changes nothing here.
 
     python scripts/sass_compare.py --tree /tmp/base --out /tmp/sass-before    # an older tree (git worktree)
     python scripts/sass_compare.py --out /tmp/sass-after --against /tmp/sass-before
+    python scripts/sass_compare.py --out /tmp/sass-after --against /tmp/sass-before \
+        --shift forward_kernel@sm_90a:0x440:-0x80
+
+--shift KERNEL[@VARIANT]:FROM:DELTA compares that kernel (of the variants whose name contains VARIANT) as if its
+earlier parameters at c[0x0][FROM] and above had moved by DELTA bytes (a kernel parameter that grew or shrank;
+its CONSTANT[0] size too): the rest must match exactly.
 
 Variants (--preset default): the transfusion and causal_documents rules of examples/rules, head dims 64, 128,
 256, bf16, sm_90a, each family default tile (forward and backward); plus sm_80 d64 / d128 transfusion.
@@ -132,6 +138,14 @@ def compile_variant(modules, rules_name: str, config) -> dict:
     return {"variant": f"{rules_name}:{config.label}", "sass": sass, "usage": usage}
 
 
+def shifted(lines: list[str], start: int, delta: int) -> list[str]:
+    """Kernel-parameter reads c[0x0][X] with X >= start moved by delta."""
+    def move(match: re.Match) -> str:
+        offset = int(match.group(1), 16)
+        return f"c[0x0][{hex(offset + delta if offset >= start else offset)}]"
+    return [re.sub(r"c\[0x0\]\[(0x[0-9a-f]+)\]", move, line) for line in lines]
+
+
 def variants(modules, preset: str, extra: list[str]) -> list[tuple[str, object]]:
     _, _, kernels, _ = modules
     from omnigen.targets import KernelConfig, TileConfig
@@ -162,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY]")
     parser.add_argument("--out", type=Path, required=True, help="write <variant>__<kernel>.sass and usage.json here")
     parser.add_argument("--against", type=Path, help="compare with an earlier --out folder")
+    parser.add_argument("--shift", action="append", default=[],
+                        help="KERNEL[@VARIANT]:FROM:DELTA (hex): parameters that moved")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(args.tree.resolve()))
@@ -183,15 +199,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.against is None:
         return 0
     before_usage = json.loads((args.against / "usage.json").read_text())
+    shift_specs = []
+    for text in args.shift:
+        kernel, start, delta = text.split(":")
+        kernel, _, where = kernel.partition("@")
+        shift_specs.append((re.sub(r"[^A-Za-z0-9_.-]+", "_", kernel), where, int(start, 16), int(delta, 16)))
     differences = 0
     print(f"\nagainst {args.against}:")
     for entry in entries:
         variant = entry["variant"]
+        shifts = {kernel: (start, delta) for kernel, where, start, delta in shift_specs if where in variant}
         prefix = re.sub(r"[^A-Za-z0-9_.-]+", "_", variant) + "__"
         old_kernels = {p.name for p in args.against.glob(prefix + "*.sass")}
         new_kernels = {file_name(variant, k) for k in entry["sass"]}
         for name in sorted(old_kernels | new_kernels):
             old = (args.against / name).read_text().splitlines() if name in old_kernels else None
+            kernel = name[len(prefix):-len(".sass")]
+            if old is not None and kernel in shifts:
+                old = shifted(old, *shifts[kernel])
             new = (args.out / name).read_text().splitlines() if name in new_kernels else None
             if old == new:
                 continue
@@ -201,9 +226,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             diff = list(difflib.unified_diff(old, new, lineterm="", n=0))
             print(f"  {name}: {len(old)} -> {len(new)} instructions, {sum(1 for d in diff if d[:1] in '+-') - 2} lines differ")
-        if before_usage.get(variant) != entry["usage"]:
+        old_usage = dict(before_usage.get(variant, {}))
+        for kernel in list(old_usage):
+            delta = shifts.get(re.sub(r"[^A-Za-z0-9_.-]+", "_", kernel), (0, 0))[1]
+            if delta:
+                old_usage[kernel] = re.sub(r"CONSTANT\[0\]:(\d+)", lambda m: f"CONSTANT[0]:{int(m.group(1)) + delta}",
+                                           old_usage[kernel])
+        if old_usage != entry["usage"]:
             differences += 1
-            print(f"  {variant} resource usage: {before_usage.get(variant)} -> {entry['usage']}")
+            changed = {k: (old_usage.get(k), v) for k, v in entry["usage"].items() if old_usage.get(k) != v}
+            print(f"  {variant} resource usage (before, after): {changed}")
     print(f"  {differences} difference(s)")
     return 1 if differences else 0
 

@@ -1,11 +1,13 @@
 """Rule sets shared by the forward and backward GPU tests, so both files use the same built modules, and the
-helpers that build a variant with sm90 switches set."""
+helper that gives a variant sm90 options."""
 
-import contextlib
+import dataclasses
 
 import torch
 
 import omnigen
+from omnigen.kernels.sm90.options import HopperOptions
+from omnigen.targets import KernelConfig
 
 TRANSFUSION = omnigen.Rules(
     name="gpu_transfusion",
@@ -23,25 +25,10 @@ MIXED = omnigen.Rules(
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@contextlib.contextmanager
-def switched(**switches: bool | int):
-    """omnigen.kernels.sm90.resources switches (module-level, read when sources are rendered) set for the block."""
-    from omnigen.kernels.sm90 import resources
-
-    saved = {switch: getattr(resources, switch) for switch in switches}
-    try:
-        for switch, value in switches.items():
-            setattr(resources, switch, value)
-        yield
-    finally:
-        for switch, value in saved.items():
-            setattr(resources, switch, value)
-
-
-def renamed(rules: omnigen.Rules, suffix: str) -> omnigen.Rules:
-    """The rules under a name of their own: a module's name does not say which switches were on, and a process
-    loads one module per name."""
-    return omnigen.Rules.from_dict({**rules.to_dict(), "name": f"{rules.name}_{suffix}"})
+def with_options(config: KernelConfig, **options: bool | int) -> KernelConfig:
+    """The sm90 variant `config` with these HopperOptions (the others at their defaults): another module, named
+    after the options it changes."""
+    return dataclasses.replace(config, options=HopperOptions(**options))
 
 
 class PlanWithBits:

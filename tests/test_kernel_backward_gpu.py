@@ -1,7 +1,6 @@
 """The generated backward kernels against float64 gradients, on a GPU (skipped without one). The sm90 d256
-backward (split columns), the Hopper deterministic mode (ordered dQ) and GQA groups summed in the kernel (off by
-default: slower than fp32 partials) are also tested with their switches set explicitly (`-k split`, `-k ordered`,
-`-k grouped`).
+backward (split columns) and the Hopper deterministic mode (ordered dQ) have tests of their own (`-k split`,
+`-k ordered`), and so do the sm90 options off their defaults (sections, walk orders, early scores).
 
 Every case builds the variant (cached in $OMNIGEN_CACHE_DIR), plans the layout on the GPU, calls the module's
 raw-pointer `forward`, then `backward_delta` and `backward` through the library's own launchers, and compares dq, dk and dv
@@ -41,7 +40,7 @@ from omnigen.jit.toolchain import kernel_log, visible_gpu_arch
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, renamed, switched  # shared with the other kernel test file
+from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, with_options  # shared with the other kernel test file
 ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 SHORT_SEGMENTS = " ".join(
@@ -68,17 +67,20 @@ WIDE_TILE = TileConfig(block_m=128, block_n=128, warps=8, stages=2)
 OTHER_TILES = [(64, WIDE_TILE), (128, WIDE_TILE), (64, TileConfig(block_m=64, block_n=64, warps=4, stages=2))]
 
 
-def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None, family: str = "sm80") -> KernelConfig:
+def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None, family: str = "sm80",
+            options: dict | None = None) -> KernelConfig:
     """A variant of the family (sm80 runs on a Hopper GPU too; sm90 modules run the Hopper backward where it
-    covers the tile and their carried sm80 backward elsewhere and in deterministic mode)."""
+    covers the tile and their carried sm80 backward elsewhere), with sm90 options where given."""
     default = sm90_resources.default_tile(head_dim) if family == "sm90" else default_tile(head_dim)
-    return KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default, kernel_family=family)
+    config = KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default, kernel_family=family)
+    return with_options(config, **options) if options else config
 
 
-def _module(rules: omnigen.Rules, head_dim: int, dtype: str, tile: TileConfig | None = None, family: str = "sm80"):
+def _module(rules: omnigen.Rules, head_dim: int, dtype: str, tile: TileConfig | None = None, family: str = "sm80",
+            options: dict | None = None):
     arch = visible_gpu_arch()
     assert arch is not None, "this GPU's arch is not one omnigen builds for"
-    return cache.get_module(rules, _config(head_dim, dtype, arch, tile, family))
+    return cache.get_module(rules, _config(head_dim, dtype, arch, tile, family, options))
 
 
 def _skip_unless_family_runs(family: str) -> None:
@@ -182,8 +184,8 @@ def _max_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None, family="sm80",
-                bits=None):
-    module = _module(rules, head_dim, dtype, tile, family)
+                bits=None, options=None):
+    module = _module(rules, head_dim, dtype, tile, family, options)
     assert module.HAS_BACKWARD and module.BACKWARD_PROBLEM is None
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
     layout = layouts[0] if len(layouts) == 1 else omnigen.Layout.batch(layouts)
@@ -250,25 +252,17 @@ def test_backward_matches_reference(built_variants, case, head_dim, dtype, famil
                          ids=lambda c: c[0])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_deterministic_mode_with_the_default_switches(built_variants, case):
+def test_sm90_deterministic_mode_with_the_default_options(built_variants, case):
     """Deterministic mode of an sm90 module as built by default: the Hopper kernel adding dQ in kv-tile order
-    (resources.ORDERED_DQ), or with that off the sm80 backward it carries (a dQ kernel per q-tile)."""
+    (the ordered_dq option)."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
     _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=True,
                 name=name, family="sm90")
 
 
-# ---- d256 on the Hopper backward: split columns (resources.SPLIT_COLUMNS).
+# ---- d256 on the Hopper backward: split columns (the split_columns option, on by default).
 # Both consumer warpgroups take the CTA's 64 keys and half the head dims of dK and dV each; dQ by atomics.
-
-
-def _split_columns():
-    return switched(SPLIT_COLUMNS=True)
-
-
-def _split_rules(rules: omnigen.Rules) -> omnigen.Rules:
-    return renamed(rules, "split")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -280,21 +274,19 @@ def test_sm90_split_columns_backward_d256(case, dtype):
     name, rules, layout_texts, Hq, Hkv = case
     if dtype == "fp16" and name not in ("s17_gqa", "misaligned_images_1000"):
         pytest.skip("fp16 on two cases only")
-    with _split_columns():
-        module = _module(_split_rules(rules), 256, dtype, family="sm90")
-        assert (module.BLOCK_N, module.HAS_BACKWARD) == (64, True)
-        _check_case(_split_rules(rules), layout_texts, Hq, Hkv, 256, dtype, strided=name == "pad_docs_strided",
-                    deterministic=False, name=name, family="sm90")
+    module = _module(rules, 256, dtype, family="sm90")
+    assert (module.BLOCK_N, module.HAS_BACKWARD) == (64, True)
+    _check_case(rules, layout_texts, Hq, Hkv, 256, dtype, strided=name == "pad_docs_strided", deterministic=False,
+                name=name, family="sm90")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_split_columns_deterministic_mode_says_it_has_no_kernel():
     _skip_unless_family_runs("sm90")
-    with _split_columns():
-        with pytest.raises(RuntimeError, match="deterministic=True runs the sm80 family's backward"):
-            _check_case(_split_rules(TRANSFUSION), ["text:5 image:12"], 2, 2, 256, "bf16", strided=False,
-                        deterministic=True, name="deterministic_d256", family="sm90")
+    with pytest.raises(RuntimeError, match="deterministic=True runs the sm80 family's backward"):
+        _check_case(TRANSFUSION, ["text:5 image:12"], 2, 2, 256, "bf16", strided=False, deterministic=True,
+                    name="deterministic_d256", family="sm90")
 
 
 @pytest.mark.gpu
@@ -302,21 +294,11 @@ def test_sm90_split_columns_deterministic_mode_says_it_has_no_kernel():
 def test_sm90_split_columns_speed_report():
     """One rough d256 figure (Transfusion 8K, B=2, H=16): the split-columns backward beside SDPA's causal one."""
     _skip_unless_family_runs("sm90")
-    with _split_columns():
-        _speed_report(_module(_split_rules(TRANSFUSION), 256, "bf16", family="sm90"), 256, "sm90 split", batch=2,
-                      deterministic_too=False)
+    _speed_report(_module(TRANSFUSION, 256, "bf16", family="sm90"), 256, "sm90 split", batch=2, deterministic_too=False)
 
 
-# ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (resources.ORDERED_DQ; with it off,
-# deterministic mode runs the carried sm80 backward).
-
-
-def _ordered_dq():
-    return switched(ORDERED_DQ=True)
-
-
-def _ordered_rules(rules: omnigen.Rules) -> omnigen.Rules:
-    return renamed(rules, "ordered")
+# ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (the ordered_dq option, on by default;
+# with it off, deterministic mode runs the carried sm80 backward).
 
 
 def _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs):
@@ -346,12 +328,11 @@ def test_sm90_ordered_dq_deterministic_backward(case, head_dim, dtype):
     if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
         pytest.skip("the mixed rules on one variant only")
     strided = name == "pad_docs_strided"
-    with _ordered_dq():
-        module = _module(_ordered_rules(rules), head_dim, dtype, family="sm90")
-        assert module.ORDERED_DQ
-        first = _check_case(_ordered_rules(rules), layout_texts, Hq, Hkv, head_dim, dtype, strided=strided,
-                            deterministic=True, name=name, family="sm90")
-        _same_bits_again(module, _ordered_rules(rules), layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
+    module = _module(rules, head_dim, dtype, family="sm90")
+    assert module.ORDERED_DQ
+    first = _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=strided, deterministic=True, name=name,
+                        family="sm90")
+    _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],
@@ -359,17 +340,16 @@ def test_sm90_ordered_dq_deterministic_backward(case, head_dim, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_ordered_dq_in_sections(case):
-    """The ordered grid in sections of 3 (head, batch) pairs (resources.ORDERED_SECTION_PAIRS; these cases have 4
+    """The ordered grid in sections of 3 (head, batch) pairs (the ordered_section_pairs option; these cases have 4
     and 8 pairs, so the last section is short): against float64, then identical bits again."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "ordered_sections")
+    options = {"ordered_section_pairs": 3}
     strided = name == "pad_docs_strided"
-    with switched(ORDERED_DQ=True, ORDERED_SECTION_PAIRS=3):
-        module = _module(named, 128, "bf16", family="sm90")
-        first = _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=True, name=name,
-                            family="sm90")
-        _same_bits_again(module, named, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
+    module = _module(rules, 128, "bf16", family="sm90", options=options)
+    first = _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=True, name=name,
+                        family="sm90", options=options)
+    _same_bits_again(module, rules, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],
@@ -377,15 +357,12 @@ def test_sm90_ordered_dq_in_sections(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_atomic_backward_in_sections(case):
-    """Atomic order's grid in sections of 3 (head, batch) pairs (resources.ATOMIC_SECTION_PAIRS; these cases have 4
+    """Atomic order's grid in sections of 3 (head, batch) pairs (the atomic_section_pairs option; these cases have 4
     and 8 pairs, so the last section is short), kv-tiles slowest inside each: against float64."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "atomic_sections")
-    with switched(ATOMIC_SECTION_PAIRS=3):
-        _module(named, 128, "bf16", family="sm90")
-        _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=False,
-                    name=name, family="sm90")
+    _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=False,
+                name=name, family="sm90", options={"atomic_section_pairs": 3})
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000",
@@ -394,46 +371,42 @@ def test_sm90_atomic_backward_in_sections(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_walk_orders_off_default(case):
-    """The walk orders the defaults do not take: deterministic mode's steps first q-tile first (ORDERED_DESCENDING_STEPS
-    off, with the ordered grid's former sections of 16 pairs) and atomic order's last q-tile first
-    (ATOMIC_DESCENDING_STEPS on); every kind occurs in these layouts, some columns with several q-tiles of one kind:
-    atomic and deterministic mode against float64, then identical bits again."""
+    """The walk order the defaults do not take: deterministic mode's steps first q-tile first (the
+    ordered_descending_steps option off, with the ordered grid's former sections of 16 pairs); every kind occurs in
+    these layouts, some columns with several q-tiles of one kind: atomic and deterministic mode against float64,
+    then identical bits again."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "walk_orders")
+    options = {"ordered_descending_steps": False, "ordered_section_pairs": 16}
     strided = name == "pad_docs_strided"
-    with switched(ORDERED_DESCENDING_STEPS=False, ORDERED_SECTION_PAIRS=16, ATOMIC_DESCENDING_STEPS=True):
-        module = _module(named, 128, "bf16", family="sm90")
-        _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=False, name=name,
-                    family="sm90")
-        first = _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=True, name=name,
-                            family="sm90")
-        _same_bits_again(module, named, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
+    module = _module(rules, 128, "bf16", family="sm90", options=options)
+    _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=False, name=name,
+                family="sm90", options=options)
+    first = _check_case(rules, layout_texts, Hq, Hkv, 128, "bf16", strided=strided, deterministic=True, name=name,
+                        family="sm90", options=options)
+    _same_bits_again(module, rules, layout_texts, Hq, Hkv, 128, "bf16", strided, first, runs=2)
 
 
-@pytest.mark.parametrize("switches", [{"EARLY_SCORES": False}, {"EARLY_SCORES": True, "ORDERED_DESCENDING_STEPS": True}],
-                         ids=["late", "early_descending"])
+@pytest.mark.parametrize("options", [{"early_scores": False}, {}], ids=["late", "early_descending"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("one_token", "s17_gqa", "pad_docs_strided",
                                                                  "misaligned_images_1000", "short_segments")],
                          ids=lambda c: c[0])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_scores_early_or_late(case, head_dim, switches):
-    """The next step's S^T issued under this step's dQ (resources.EARLY_SCORES, on by default: here with the descending
+def test_sm90_scores_early_or_late(case, head_dim, options):
+    """The next step's S^T issued under this step's dQ (the early_scores option, on by default, with the descending
     walk) or at the start of its own step (off); one-step columns, a step past the end of the sequence skipped, columns
     of every kind: atomic and deterministic mode against float64, then identical bits again."""
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "_".join(f"{k.lower()}_{int(v)}" for k, v in switches.items()))
     strided = name == "pad_docs_strided"
-    with switched(**switches):
-        module = _module(named, head_dim, "bf16", family="sm90")
-        _check_case(named, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
-                    family="sm90")
-        first = _check_case(named, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
-                            name=name, family="sm90")
-        _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
+    module = _module(rules, head_dim, "bf16", family="sm90", options=options)
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
+                family="sm90", options=options)
+    first = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
+                        name=name, family="sm90", options=options)
+    _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
 
 
 @pytest.mark.gpu
@@ -441,42 +414,12 @@ def test_sm90_scores_early_or_late(case, head_dim, switches):
 def test_sm90_ordered_dq_speed_report():
     """One rough figure: deterministic (ordered dQ) beside atomic order, d128 Transfusion 8K (the issue allows 15%)."""
     _skip_unless_family_runs("sm90")
-    with _ordered_dq():
-        _speed_report(_module(_ordered_rules(TRANSFUSION), 128, "bf16", family="sm90"), 128, "sm90 ordered")
-
-
-# ---- GQA on the Hopper backward: each kv head's query heads summed in the kernel (resources.GQA_IN_KERNEL, off:
-# dK/dV come as fp32 partials per query head that the caller sums).
-
-GQA_CASES = [c for c in CASES if c[3] != c[4]]
-
-
-@pytest.mark.parametrize("mode", ["atomic", "ordered"])
-@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
-@pytest.mark.parametrize("case", GQA_CASES, ids=[c[0] for c in GQA_CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_grouped_gqa_backward(case, head_dim, dtype, mode):
-    """dK/dV of a GQA group summed in the kernel, written once in the element type; with atomic dQ, and with
-    deterministic mode's ordered dQ (five runs, same bits); d256 on the split-columns kernel (atomic only)."""
-    _skip_unless_family_runs("sm90")
-    name, rules, layout_texts, Hq, Hkv = case
-    if head_dim == 256 and mode == "ordered":
-        pytest.skip("split columns have no ordered dQ")
-    strided = name == "pad_docs_strided"
-    named = renamed(rules, f"grouped_{mode}")
-    with switched(GQA_IN_KERNEL=True, ORDERED_DQ=mode == "ordered", SPLIT_COLUMNS=head_dim == 256):
-        module = _module(named, head_dim, dtype, family="sm90")
-        assert module.GQA_IN_KERNEL and grouped_dkdv(module, Hq, Hkv, mode == "ordered")
-        first = _check_case(named, layout_texts, Hq, Hkv, head_dim, dtype, strided=strided,
-                            deterministic=mode == "ordered", name=name, family="sm90")
-        if mode == "ordered":
-            _same_bits_again(module, named, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs=4)
+    _speed_report(_module(TRANSFUSION, 128, "bf16", family="sm90"), 128, "sm90 ordered")
 
 
 # ---- the sm90 backward reading its partial steps' masks as bits (omnigen.plan.bits, transposed tiles): for half of
-# the partial tiles (the rest evaluated in the same launch) and for all; atomic and deterministic (ordered) dQ, GQA
-# groups summed in the kernel, and d256's split columns.
+# the partial tiles (the rest evaluated in the same launch) and for all; atomic and deterministic (ordered) dQ, and
+# d256's split columns.
 
 
 @pytest.mark.parametrize("bits", ["half", "all"])
@@ -497,25 +440,11 @@ def test_sm90_backward_reads_partial_bits(built_variants, case, mode, head_dim, 
                 deterministic=mode == "deterministic", name=name, family="sm90", bits=bits)
 
 
-@pytest.mark.parametrize("bits", ["half", "all"])
-@pytest.mark.parametrize("case", GQA_CASES, ids=[c[0] for c in GQA_CASES])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_grouped_gqa_backward_reads_partial_bits(case, bits):
-    _skip_unless_family_runs("sm90")
-    name, rules, layout_texts, Hq, Hkv = case
-    named = renamed(rules, "grouped_atomic")
-    with switched(GQA_IN_KERNEL=True, ORDERED_DQ=False, SPLIT_COLUMNS=False):
-        _module(named, 128, "bf16", family="sm90")
-        _check_case(named, layout_texts, Hq, Hkv, 128, "bf16", strided=name == "pad_docs_strided", deterministic=False,
-                    name=name, family="sm90", bits=bits)
+# ---- atomic-order dQ through the writer warp (the dq_writer option, on by default): the consumers stage each step's
+# dQ rows and warp 1 of the producer warpgroup adds them. (Deterministic mode's writer is the same function, run by
+# the default module's tests.)
 
-
-# ---- atomic-order dQ through the writer warp (resources.DQ_WRITER_WARP, on since 2026-11-23): the
-# consumers stage each step's dQ rows and warp 1 of the producer warpgroup adds them; also with GQA groups summed
-# in the kernel. (Deterministic mode's writer is the same function, run by the default module's tests.)
-
-DQ_WRITER_VARIANTS = [("atomic", 64, "bf16"), ("atomic", 128, "bf16"), ("atomic", 128, "fp16"), ("grouped", 128, "bf16")]
+DQ_WRITER_VARIANTS = [("atomic", 64, "bf16"), ("atomic", 128, "bf16"), ("atomic", 128, "fp16")]
 
 
 @pytest.mark.parametrize("mode,head_dim,dtype", DQ_WRITER_VARIANTS, ids=lambda v: str(v))
@@ -527,15 +456,10 @@ def test_sm90_dq_writer_backward(case, mode, head_dim, dtype):
     name, rules, layout_texts, Hq, Hkv = case
     if rules is MIXED and (mode, head_dim, dtype) != ("atomic", 128, "bf16"):
         pytest.skip("the mixed rules on one variant only")
-    if mode == "grouped" and Hq == Hkv:
-        pytest.skip("GQA cases only")
-    named = renamed(rules, f"dq_writer_{mode}")
-    with switched(DQ_WRITER_WARP=True, GQA_IN_KERNEL=mode == "grouped"):
-        module = _module(named, head_dim, dtype, family="sm90")
-        config = _config(head_dim, dtype, visible_gpu_arch(), family="sm90")
-        assert "from a writer warp" in kernels.FAMILIES["sm90"].describe_backward(config)
-        _check_case(named, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
-                    deterministic=False, name=name, family="sm90")
+    config = _config(head_dim, dtype, visible_gpu_arch(), family="sm90")
+    assert "from a writer warp" in kernels.FAMILIES["sm90"].describe_backward(config)
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided", deterministic=False,
+                name=name, family="sm90")
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])

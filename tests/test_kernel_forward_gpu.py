@@ -8,7 +8,7 @@ kernel forgets to write fails.
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_kernel_forward_gpu.py
 
-The sm90 forward's persistent scheduling (resources.PERSISTENT) has its own tests at the end (Hopper only):
+The sm90 forward's persistent scheduling (the `persistent` option) has its own tests at the end (Hopper only):
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -s -m gpu tests/test_kernel_forward_gpu.py -k persistent
 """
@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, renamed, switched  # shared with the other kernel test file
+from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, with_options  # shared with the other kernel test file
 
 SHORT_SEGMENTS = " ".join(
     [f"{'text' if i % 2 == 0 else 'image'}:{2 + (5 * i) % 6}" for i in range(120)]
@@ -166,22 +166,18 @@ def _check_forward(module, rules: omnigen.Rules, case, head_dim: int, dtype: str
     assert lse_error <= 1e-3, f"lse error {lse_error:.3e}"
 
 
-def _check_sm90_switched(case, head_dim: int, dtype: str, suffix: str, label: str, bits: str | None = None,
-                         **switches) -> None:
-    """_check_forward on an sm90 module built with resources switches set (its rules renamed: a module's name
-    does not say which switches were on)."""
+def _check_sm90_options(case, head_dim: int, dtype: str, label: str, bits: str | None = None, **options) -> None:
+    """_check_forward on an sm90 module built with these HopperOptions."""
     if "sm90" not in FAMILY_NAMES:
         pytest.skip("the sm90 family runs on Hopper only")
     name, rules, _, _, _ = case
     if rules is MIXED and (head_dim, dtype) != (128, "bf16"):
         pytest.skip("the mixed rules on one variant only")
-    named = renamed(rules, suffix)
-    with switched(**switches):
-        module = cache.get_module(named, _config(head_dim, dtype, "sm90"))
-    _check_forward(module, named, case, head_dim, dtype, label, bits=bits)
+    module = cache.get_module(rules, with_options(_config(head_dim, dtype, "sm90"), **options))
+    _check_forward(module, rules, case, head_dim, dtype, label, bits=bits)
 
 
-# ---- the sm90 forward reading partial tiles' masks as bits (omnigen.plan.bits, resources.PARTIAL_BITS): for half of
+# ---- the sm90 forward reading partial tiles' masks as bits (omnigen.plan.bits, the partial_bits option): for half of
 # the partial tiles (the rest evaluated in the same launch, as when a mask's capacity runs out) and for all.
 
 
@@ -199,67 +195,15 @@ def test_sm90_forward_reads_partial_bits(case, head_dim, dtype, bits):
     _check_forward(module, rules, case, head_dim, dtype, f"sm90 partial bits ({bits})", bits=bits)
 
 
-# ---- the sm90 forward with ping-pong on (resources.PINGPONG, off: no measured gain): the consumer warpgroups take
-# turns issuing their products (named barriers), on the persistent grid and on the grid of tiles, whose turn
-# hand-offs differ at the start and end of a tile.
-
-
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
-@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_sm90_forward_pingpong(case, head_dim, dtype, persistent):
-    _check_sm90_switched(case, head_dim, dtype, "pingpong_" + ("persistent" if persistent else "grid"),
-                         "sm90 ping-pong", PINGPONG=True, PERSISTENT=persistent)
-
-
-# ---- GQA packing (resources.GQA_PACK, off: it moves the same K/V bytes per row as 128-row tiles of one head): two
-# query heads of one kv head per work tile, one per consumer warpgroup, on both grids; partial tiles evaluated and
-# from bits (whose rows the packed tile indexes by its half of the q-tile).
-
-GQA_EVEN = [c for c in CASES if c[3] != c[4] and (c[3] // c[4]) % 2 == 0]
-
-
-@pytest.mark.parametrize("bits", [None, "all"], ids=["evaluated", "bits"])
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "grid"])
-@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
-@pytest.mark.parametrize("case", GQA_EVEN, ids=[c[0] for c in GQA_EVEN])
-def test_sm90_forward_gqa_pack(case, head_dim, dtype, persistent, bits):
-    _check_sm90_switched(case, head_dim, dtype, "gqa_pack_" + ("persistent" if persistent else "grid"),
-                         "sm90 GQA packed", bits=bits, GQA_PACK=True, PERSISTENT=persistent)
-
-
-def test_sm90_forward_gqa_pack_says_it_needs_even_groups():
-    if "sm90" not in FAMILY_NAMES:
-        pytest.skip("the sm90 family runs on Hopper only")
-    with switched(GQA_PACK=True, PERSISTENT=True):
-        module = cache.get_module(renamed(TRANSFUSION, "gqa_pack_persistent"), _config(128, "bf16", "sm90"))
-    q, k, v = _inputs(1, 2, 2, 300, 128, torch.bfloat16, strided=False)
-    with pytest.raises(RuntimeError, match="heads_q / heads_kv must be even, got 2 / 2"):
-        run_forward(module, TRANSFUSION, omnigen.Layout.parse("text:100 image:200"), q, k, v)
-
-
-# ---- the sm90 forward with resources.TABLES_ALWAYS_SHARED off (on by default since 2026-11-23): partial tiles
-# whose key tables TMA can bring read them from shared memory, the others from global memory through a generic
-# pointer. The cases' odd lengths, unaligned batch offsets and last kv-tiles take the global-memory branch.
+# ---- the sm90 forward with the tables_always_shared option off (on by default): partial tiles whose key tables TMA
+# can bring read them from shared memory, the others from global memory through a generic pointer. The cases' odd
+# lengths, unaligned batch offsets and last kv-tiles take the global-memory branch.
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_sm90_forward_tables_switch_off(case, head_dim, dtype):
-    _check_sm90_switched(case, head_dim, dtype, "tables_either", "sm90 tables from either memory",
-                         TABLES_ALWAYS_SHARED=False)
-
-
-# ---- the sm90 forward's O through shared memory and TMA stores (resources.STORE_BY_TMA, off: correct, not
-# faster), a grid-of-tiles path only, so PERSISTENT off too: the cases' ragged last q-tiles are the rows the TMA
-# store must clip.
-
-
-@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_sm90_forward_store_by_tma(case, head_dim, dtype):
-    _check_sm90_switched(case, head_dim, dtype, "store_by_tma", "sm90 O by TMA store", STORE_BY_TMA=True,
-                         PERSISTENT=False)
+def test_sm90_forward_tables_option_off(case, head_dim, dtype):
+    _check_sm90_options(case, head_dim, dtype, "sm90 tables from either memory", tables_always_shared=False)
 
 
 def test_forward_rejects_bad_arguments():
@@ -304,7 +248,7 @@ def test_forward_speed_report(family):
           f"({4 * D * B * H * S * (S + 1) / 2 / causal / 1e12:.0f} TFLOP/s)")
 
 
-# ---- the sm90 forward's persistent mode (omnigen.kernels.sm90.resources.PERSISTENT): min(SMs, work tiles)
+# ---- the sm90 forward's persistent mode (the `persistent` option, on by default): min(SMs, work tiles)
 # CTAs, each walking (q-tile, batch, head) tiles with its barrier phases running on across them. Both
 # schedulings take the tiles in TileOrder's L2 sections; with a 50 MB L2 these layouts cut them short: at d128
 # 16 query heads on 4 kv heads make sections of 28 (batch, head) pairs of 32, at d256 of 12 (12, 12, 8).
@@ -319,21 +263,16 @@ PERSISTENT_LAYOUTS = [
 ]
 
 
-def _sm90_variant(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int | None, persistent: bool):
-    """(rules, config) of an sm90 variant with the scheduling pinned. A module's name does not say whether it
-    is persistent, and a process loads one module per name: each scheduling gets the rules under a name of
-    its own (same mask)."""
-    named = renamed(rules, "persistent" if persistent else "grid")
+def _sm90_config(head_dim: int, dtype: str, block_n: int | None, persistent: bool) -> KernelConfig:
+    """An sm90 variant with the scheduling pinned (the default tile unless block_n is given)."""
     config = _config(head_dim, dtype, "sm90")
     if block_n is not None:
         config = KernelConfig(head_dim, dtype, config.arch, TileConfig(128, block_n, 12, 2), kernel_family="sm90")
-    return named, config
+    return with_options(config, persistent=persistent)
 
 
 def _sm90_module(rules: omnigen.Rules, head_dim: int, dtype: str, block_n: int | None, persistent: bool):
-    named, config = _sm90_variant(rules, head_dim, dtype, block_n, persistent)
-    with switched(PERSISTENT=persistent):
-        return named, cache.get_module(named, config)
+    return rules, cache.get_module(rules, _sm90_config(head_dim, dtype, block_n, persistent))
 
 
 # (rules, head_dim, dtype, block_n or None for the default tile, persistent)
@@ -347,12 +286,8 @@ def persistent_variants():
     if "sm90" not in FAMILY_NAMES:
         return
     needed = [*MANY_TILES, (MIXED, 128, "bf16", None, True)]
-    built = []
-    for rules, head_dim, dtype, block_n, persistent in needed:
-        named, config = _sm90_variant(rules, head_dim, dtype, block_n, persistent)
-        with switched(PERSISTENT=persistent):
-            built.append(cache.variant(named, config))
-    cache.build_variants(built)
+    cache.build_variants([cache.variant(rules, _sm90_config(head_dim, dtype, block_n, persistent))
+                          for rules, head_dim, dtype, block_n, persistent in needed])
 
 
 def _check_sliced(rules, layout, q, k, v, out, lse, dtype) -> None:

@@ -9,10 +9,34 @@ import omnigen
 from omnigen import kernels
 from omnigen.jit import codegen
 from omnigen.kernels.sm90 import resources, space
+from omnigen.kernels.sm90.options import HopperOptions
 from omnigen.targets import ARCH_TABLE, KernelConfig, TileConfig
 from omnigen.tune import space as tune_space
 
 RULES = omnigen.Rules(name="hopper", modalities={"text": "causal", "image": "full"})
+
+
+def hopper(head_dim: int, tile: TileConfig | None = None, **options) -> KernelConfig:
+    """An sm_90a variant (the default tile unless given) with these HopperOptions."""
+    return KernelConfig(head_dim, "bf16", "sm_90a", tile or resources.default_tile(head_dim),
+                        options=HopperOptions(**options))
+
+
+def test_options_are_part_of_the_variant():
+    """Options equal to the defaults are no options (one spelling, one module); others rename the module and say
+    so in the label and the config dict; another family's options, or values out of range, are problems."""
+    assert hopper(128).options is None and hopper(128, persistent=True) == hopper(128)
+    assert codegen.module_name(RULES, hopper(128, persistent=True)) == codegen.module_name(RULES, hopper(128))
+    changed = hopper(128, persistent=False, ordered_section_pairs=16)
+    assert changed.label == "bf16_d128_m128n128w12s2_sm_90a_persistent0_ordered_section_pairs16"
+    assert changed.as_dict()["options"] == {"persistent": False, "ordered_section_pairs": 16}
+    assert codegen.module_name(RULES, changed) != codegen.module_name(RULES, hopper(128))
+    assert len({hopper(128, persistent=False), hopper(128, persistent=False), hopper(128)}) == 2  # hashable
+    sm80 = KernelConfig(128, "bf16", "sm_80", options=HopperOptions(persistent=False))
+    assert any("takes KernelOptions, not HopperOptions" in p for p in kernels.problems(sm80))
+    assert any("atomic_section_pairs must be an integer >= 0" in p
+               for p in kernels.problems(hopper(128, atomic_section_pairs=-1)))
+    assert any("backward_stages" in p for p in kernels.backward_problems(hopper(128, backward_stages=1)))
 
 
 def test_sm_90a_is_served_by_sm90_with_sm80_as_fallback():
@@ -92,12 +116,11 @@ def test_an_sm90_edit_renames_no_sm80_module(monkeypatch):
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_persistent_scheduling_is_a_render_switch(monkeypatch, persistent):
-    """resources.PERSISTENT renders kPersistent (min(SMs, tiles) CTAs taking work tiles from a counter) and the
+def test_persistent_scheduling_is_an_option(persistent):
+    """The persistent option renders kPersistent (min(SMs, tiles) CTAs taking work tiles from a counter) and the
     binding's PERSISTENT_FORWARD (the caller must pass the zeroed counter); the shared memory holds the Q-empty
     barrier and the tile slots either way, so the resource model does not depend on it."""
-    monkeypatch.setattr(resources, "PERSISTENT", persistent)
-    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    config = hopper(128, persistent=persistent)
     sources, names = codegen.render(RULES, config), codegen.source_names(RULES, config)
     forward, binding = sources[names["kernel"]], sources[names["binding"]]
     assert f"constexpr bool kPersistent = {'true' if persistent else 'false'};" in forward
@@ -115,7 +138,7 @@ def test_the_hopper_backward_takes_128_keys_at_d64_d128_and_64_at_d256(head_dim,
     problems = resources.Resources(config).hopper_backward_problems()
     assert (not problems) == hopper
     if not hopper:
-        assert any(word in " ".join(problems) for word in ("head dims", "block_n", "SPLIT_COLUMNS"))
+        assert any(word in " ".join(problems) for word in ("head dims", "block_n", "split_columns"))
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert ("hopper_dkdv_kernel" in backward) == hopper
     # The carried sm80 backward is always there under its own entry point; backward_launch picks.
@@ -126,11 +149,10 @@ def test_the_hopper_backward_takes_128_keys_at_d64_d128_and_64_at_d256(head_dim,
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_d256_trains_on_the_hopper_backward_with_split_columns_once_switched_on(monkeypatch, split):
+def test_d256_trains_on_the_hopper_backward_with_split_columns(split):
     """d256: the CTA's 64 keys in both warpgroups, each holding dK/dV for half the head dims, dQ by atomics.
-    On since it passed on an H200; with resources.SPLIT_COLUMNS off the module has no d256 backward and says why."""
-    monkeypatch.setattr(resources, "SPLIT_COLUMNS", split)
-    config = KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))
+    On by default; with the split_columns option off the module has no d256 backward and says why."""
+    config = hopper(256, split_columns=split)
     r = resources.Resources(config)
     assert r.hopper_split_columns
     assert (not r.hopper_backward_problems()) == split and (not r.backward_problems()) == split
@@ -140,7 +162,7 @@ def test_d256_trains_on_the_hopper_backward_with_split_columns_once_switched_on(
     backward, binding = sources[names["backward"]], sources[names["binding"]]
     assert f"constexpr bool kHasBackward = {'true' if split else 'false'};" in binding
     if not split:
-        assert "hopper_dkdv_kernel" not in backward and "SPLIT_COLUMNS is off" in binding
+        assert "hopper_dkdv_kernel" not in backward and "split_columns=False" in binding
         return
     assert kernels.default_backward(config) == config
     assert r.hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
@@ -155,20 +177,18 @@ def test_d256_trains_on_the_hopper_backward_with_split_columns_once_switched_on(
     assert "deterministic=True runs the sm80 family's backward, which has none for" in backward
 
 
-def test_split_columns_leave_the_128_key_kernel_alone(monkeypatch):
-    monkeypatch.setattr(resources, "SPLIT_COLUMNS", True)
-    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+def test_split_columns_leave_the_128_key_kernel_alone():
+    config = hopper(128, split_columns=True)
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert "constexpr bool kSplitColumns = false;" in backward and "wgmma_slice_values" not in backward
     assert "reduce_add_box" in backward and "atomic_add_pair(" not in backward.split("namespace hopper")[1]
 
 
 @pytest.mark.parametrize("ordered", [False, True])
-def test_ordered_dq_is_deterministic_modes_own_kernel_instance(monkeypatch, ordered):
-    """resources.ORDERED_DQ: deterministic mode runs hopper_dkdv_kernel<true> (a writer warp adds dQ in kv-tile
+def test_ordered_dq_is_deterministic_modes_own_kernel_instance(ordered):
+    """The ordered_dq option: deterministic mode runs hopper_dkdv_kernel<true> (a writer warp adds dQ in kv-tile
     order) instead of the carried sm80 backward; the atomic-order instance is the same code either way."""
-    monkeypatch.setattr(resources, "ORDERED_DQ", ordered)
-    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    config = hopper(128, ordered_dq=ordered)
     assert resources.Resources(config).hopper_ordered_dq == ordered
     sources = codegen.render(RULES, config)
     names = codegen.source_names(RULES, config)
@@ -176,26 +196,22 @@ def test_ordered_dq_is_deterministic_modes_own_kernel_instance(monkeypatch, orde
     assert f"constexpr bool kOrderedDq = {'true' if ordered else 'false'};" in binding
     assert "hopper_dkdv_kernel<false><<<" in backward
     assert ("hopper_dkdv_kernel<true><<<" in backward) == ordered
-    writer = ordered or resources.Resources(config).hopper_dq_writer  # deterministic mode, or DQ_WRITER_WARP
+    writer = ordered or resources.Resources(config).hopper_dq_writer  # deterministic mode, or the dq_writer option
     assert ("void write_query_gradient(" in backward) == writer
     # Not with split columns: their dQ goes by per-thread atomics, which no counter orders.
-    monkeypatch.setattr(resources, "SPLIT_COLUMNS", True)
-    assert not resources.Resources(KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))).hopper_ordered_dq
+    assert not resources.Resources(hopper(256)).hopper_ordered_dq
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_gqa_in_kernel_makes_the_grid_one_cta_per_kv_head(monkeypatch, grouped):
-    """resources.GQA_IN_KERNEL: each CTA walks all query heads of its kv head (args.dkdv_group) and writes the
-    summed dK/dV once; the binding takes dkdv_per_kv_head only then."""
-    monkeypatch.setattr(resources, "GQA_IN_KERNEL", grouped)
-    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+def test_gqa_dk_dv_are_per_query_head_partials():
+    """GQA in the Hopper backward: one CTA per query head, dK/dV as fp32 partials the caller sums (summing a group
+    in the kernel measured slower: RESULTS.md, "Kernel options removed (issue 27)"); the binding refuses
+    dkdv_per_kv_head."""
+    config = hopper(128)
     sources = codegen.render(RULES, config)
     names = codegen.source_names(RULES, config)
     backward, binding = sources[names["backward"]], sources[names["binding"]]
-    assert f"constexpr bool kGroupedHeads = {'true' if grouped else 'false'};" in backward
-    assert f"constexpr bool kGqaInKernel = {'true' if grouped else 'false'};" in binding
-    assert "args.heads_q / (kGroupedHeads ? args.dkdv_group : 1)" in backward  # the grid's heads
-    assert 'py::arg("dkdv_per_kv_head") = false' in binding and "args.dkdv_group = dkdv_per_kv_head" in binding
+    assert "const bool partials = args.heads_q != args.heads_kv;" in backward and "dkdv_group" not in backward
+    assert "constexpr bool kGqaInKernel = false;" in binding
 
 
 def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():
@@ -229,40 +245,33 @@ def test_grouped_dkdv_follows_the_module_flags():
 
 
 @pytest.mark.parametrize("on", [False, True])
-def test_forward_tables_always_shared_switch(monkeypatch, on):
-    """resources.TABLES_ALWAYS_SHARED: the producer copies the key tables TMA cannot bring into the K slot, and the
+def test_forward_tables_always_shared_option(on):
+    """The tables_always_shared option: the producer copies the key tables TMA cannot bring into the K slot, and the
     mask reads shared memory only (no pointer picked between shared and global: those reads were generic loads)."""
-    monkeypatch.setattr(resources, "TABLES_ALWAYS_SHARED", on)
-    config = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))
+    config = hopper(128, tables_always_shared=on)
     forward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
     assert f"constexpr bool kTablesAlwaysShared = {'true' if on else 'false'};" in forward
     assert "sm90::copy_rows(shared.key_tables[stage][0]" in forward  # in the source either way; dropped when off
 
 
 @pytest.mark.parametrize("head_dim, pairs", [(64, 64), (128, 16), (256, 4)])
-def test_ordered_sections_scale_with_the_square_of_the_head_dim(monkeypatch, head_dim, pairs):
-    """ORDERED_SECTION_PAIRS is the figure at head dim 128, scaled by (128 / head_dim) ** 2 (measured at d64 with the
-    descending walk: 8 pairs, 4x d128's 2, cost 4-8% over atomic order; 4 pairs 3-10%); 0 stays one section."""
-    monkeypatch.setattr(resources, "ORDERED_SECTION_PAIRS", 16)
-    config = KernelConfig(head_dim, "bf16", "sm_90a", resources.default_tile(head_dim))
+def test_ordered_sections_scale_with_the_square_of_the_head_dim(head_dim, pairs):
+    """The ordered_section_pairs option is the figure at head dim 128, scaled by (128 / head_dim) ** 2 (the same
+    bytes of Q and dO per section); 0 stays one section."""
+    config = hopper(head_dim, ordered_section_pairs=16)
     assert resources.Resources(config).ordered_section_pairs == pairs
     if head_dim != 256:  # d256 runs the split-columns backward, which has no ordered instance
         backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
         assert f"constexpr int kOrderedSectionPairs = {pairs};" in backward
-    monkeypatch.setattr(resources, "ORDERED_SECTION_PAIRS", 0)
-    assert resources.Resources(config).ordered_section_pairs == 0
+    assert resources.Resources(hopper(head_dim, ordered_section_pairs=0)).ordered_section_pairs == 0
 
 
 @pytest.mark.parametrize("head_dim, stages", [(64, 4), (128, 2), (256, 2)])
-def test_a_deeper_backward_ring_per_head_dim(monkeypatch, head_dim, stages):
-    """HOPPER_STAGES_BY_HEAD_DIM ({64: 4} by default: timed faster, and the gpu suite passed): a head dim listed gets
-    its own Q/dO ring depth, the others HOPPER_STAGES; the shared memory figure follows and still fits beside K, V,
-    dS^T and dQ."""
-    assert resources.HOPPER_STAGES_BY_HEAD_DIM == {64: 4}
-    with monkeypatch.context() as patch:
-        patch.setattr(resources, "HOPPER_STAGES_BY_HEAD_DIM", {})
-        assert resources.Resources(KernelConfig(64, "bf16", "sm_90a", resources.default_tile(64))).hopper_stages == 2
-    config = KernelConfig(head_dim, "bf16", "sm_90a", resources.default_tile(head_dim))
+def test_a_deeper_backward_ring_per_head_dim(head_dim, stages):
+    """The Q/dO ring is 4 deep at d64 by default (timed faster, and the gpu suite passed), 2 elsewhere; the
+    backward_stages option overrides it; the shared memory figure follows and still fits beside K, V, dS^T and dQ."""
+    assert resources.Resources(hopper(64, backward_stages=2)).hopper_stages == 2
+    config = hopper(head_dim)
     r = resources.Resources(config)
     assert r.hopper_stages == stages
     assert not r.hopper_backward_problems()

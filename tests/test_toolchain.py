@@ -1,9 +1,9 @@
 """Toolchain discovery, arch flags, error messages, and (with nvcc) real builds for sm_80 and sm_90a.
 
 Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles five variants once
-(one sm_80, one sm_90a, the sm_90a one with the sm90 forward's other scheduling -- persistent or not,
-whichever is not the default -- and two sm_90a ones with a Hopper backward switch on: the d256
-split-columns kernel and deterministic mode's ordered dQ; in one parallel ninja run) into a private cache.
+(one sm_80, one sm_90a, the sm_90a one with the sm90 forward's options that are on by default turned off, the
+d256 split-columns Hopper backward, and a d64 Hopper backward with its step and grid options off; in one
+parallel ninja run) into a private cache.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from omnigen.jit import toolchain as tools
 from omnigen.cli import cli
 from omnigen.targets import KernelConfig, TileConfig
 
-from kernel_cases import renamed, switched  # the GPU tests' helpers for sm90 switches
+from kernel_cases import with_options  # the GPU tests' helper for sm90 options
 
 REPO = Path(__file__).resolve().parent.parent
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
@@ -34,31 +34,17 @@ SM80 = KernelConfig(head_dim=64, dtype="bf16", arch="sm_80", tile=SMALL_TILE)
 SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))  # the sm90 family
 
 
-def other_scheduling_variant() -> cache.Variant:
-    """SM90A with the sm90 forward's non-default scheduling (resources.PERSISTENT flipped), so that both
-    compile; as a grid of tiles, with O by TMA store (resources.STORE_BY_TMA, a grid-only path) and ping-pong
-    (resources.PINGPONG; the ordered variant below has it on the persistent grid). A module's name does not say
-    which it is: the rules get a name of their own."""
-    from omnigen.kernels.sm90 import resources
-
-    flipped = not resources.PERSISTENT
-    with switched(PERSISTENT=flipped, STORE_BY_TMA=not flipped, PINGPONG=True):
-        return cache.variant(renamed(RULES, "persistent" if flipped else "grid_store_by_tma"), SM90A)
-
-
+# SM90A with the forward's options that are on by default off (a grid of tiles, key tables from either memory,
+# partial tiles evaluated), so that those paths compile too.
+OTHER_SCHEDULING = with_options(SM90A, persistent=False, tables_always_shared=False, partial_bits=False)
+# The d256 Hopper backward (split columns: both warpgroups over 64 keys, dQ by atomics; its walk without early
+# scores).
 SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 64, 12, 2))
-
-
-ORDERED = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2))
-
-
-def switched_on_variant(switches: tuple[str, ...], config: KernelConfig) -> cache.Variant:
-    """An sm90 module with switches on (resources.SPLIT_COLUMNS: the d256 kernel; ORDERED_DQ: deterministic mode's
-    ordered dQ; GQA_IN_KERNEL: a GQA group's dK/dV summed in the kernel), so that CI compiles those that are off
-    too. The rules get a name of their own (a module's name does
-    not say which switches were on)."""
-    with switched(**dict.fromkeys(switches, True)):
-        return cache.variant(renamed(RULES, "_".join(s.lower() for s in switches)), config)
+# The d64 Hopper backward, both dQ orders, with the step and grid options that are on by default off: the walk
+# without early scores (ascending and descending), dQ reductions from each consumer warp in atomic order, the
+# 3-D grids.
+ORDERED = with_options(KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2)),
+                       early_scores=False, dq_writer=False, ordered_section_pairs=0, atomic_section_pairs=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,14 +158,13 @@ def test_max_jobs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One sm_80 and one sm_90a variant, the sm_90a one's other scheduling and the two switched-on Hopper
-    backwards, compiled together; yields the cache dir and the build results."""
+    """One sm_80 and one sm_90a variant, the sm_90a one's other scheduling and the two Hopper backwards above,
+    compiled together; yields the cache dir and the build results."""
     directory = tmp_path_factory.mktemp("omnigen-cache")
     previous = os.environ.get("OMNIGEN_CACHE_DIR")
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
-        variants = [cache.variant(RULES, SM80), cache.variant(RULES, SM90A), other_scheduling_variant(),
-                    switched_on_variant(("SPLIT_COLUMNS", "ATOMIC_DESCENDING_STEPS"), SPLIT), switched_on_variant(("ORDERED_DQ", "GQA_IN_KERNEL", "PINGPONG", "GQA_PACK"), ORDERED)]
+        variants = [cache.variant(RULES, config) for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -194,9 +179,8 @@ def built(tmp_path_factory):
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
     assert [r.built for r in results] == [True] * 5
-    # The sm90 forward's other scheduling, the split-columns (d256) Hopper backward (its atomic walk last q-tile first,
-    # so the walk without EARLY_SCORES compiles too) and the one with ordered dQ and GQA groups in the kernel:
-    # compiled, within the spill allowances.
+    # The sm90 forward's other options, the split-columns (d256) Hopper backward and the d64 one with its step and
+    # grid options off: compiled, within the spill allowances.
     for result in results[2:]:
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..targets import KernelConfig, TileConfig
+from ..targets import KernelConfig, KernelOptions, TileConfig
 from . import launch
 
 # Mask headers keep modality sets in 32-bit words, and pad takes an id.
@@ -34,8 +34,10 @@ class KernelFamily(ABC):
     """One kernel family. A subclass names its folder under omnigen/kernels/ (`name`), the files it
     renders (`sources`: role -> template), the kernels the tuner times, its `resources` module (a
     `Resources(config)` class with `problems()`, `backward_problems()` and `shared_memory_bytes`, plus
-    `default_tile(head_dim)` and `excess_spill_bytes(kernel_name, figures)`) and its `space` module
-    (`DEFAULT_SPACE`: candidate tiles per head dim); and it writes `render_context`."""
+    `default_tile(head_dim)` and `excess_spill_bytes(kernel_name, figures)`), its `space` module
+    (`DEFAULT_SPACE`: candidate tiles per head dim) and the type of its options (`options_type`, a
+    KernelOptions dataclass: the base one, without fields, for a family without choices); and it writes
+    `render_context`."""
 
     name: str
     sources: dict[str, str]  # file role ("kernel", "backward") -> template in the family's templates/
@@ -43,6 +45,7 @@ class KernelFamily(ABC):
     backward_kernel: str
     resources: ModuleType
     space: ModuleType
+    options_type: type[KernelOptions] = KernelOptions
 
     @property
     def directory(self) -> Path:
@@ -64,13 +67,26 @@ class KernelFamily(ABC):
 
     # ---- what fits
 
+    def options(self, config: KernelConfig) -> KernelOptions:
+        """The variant's options: its own, or the family's defaults."""
+        return config.options if config.options is not None else self.options_type()
+
+    def option_problems(self, config: KernelConfig) -> list[str]:
+        """What is wrong with the variant's options (another family's type, values out of range)."""
+        if config.options is None:
+            return []
+        if type(config.options) is not self.options_type:
+            return [f"the {self.name} family takes {self.options_type.__name__}, not {type(config.options).__name__}"]
+        check = getattr(config.options, "problems", None)
+        return check() if check is not None else []
+
     def problems(self, config: KernelConfig) -> list[str]:
         """Why this variant cannot be built (empty when it can)."""
-        return self.resources.Resources(config).problems()
+        return self.option_problems(config) or self.resources.Resources(config).problems()
 
     def backward_problems(self, config: KernelConfig) -> list[str]:
         """Why this variant's module has no backward (empty when it has one); the forward is unaffected."""
-        return self.resources.Resources(config).backward_problems()
+        return self.option_problems(config) or self.resources.Resources(config).backward_problems()
 
     def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:
         """Spilled bytes of one kernel's ptxas figures beyond what the family tolerates (0: fine)."""

@@ -14,6 +14,7 @@ from ...targets import KernelConfig
 from ..family import KernelFamily
 from ..sm80 import FAMILY as SM80
 from . import resources, space
+from .options import HopperOptions
 
 
 class Sm90Family(KernelFamily):
@@ -23,6 +24,7 @@ class Sm90Family(KernelFamily):
     backward_kernel = "hopper_dkdv_kernel"
     resources = resources
     space = space
+    options_type = HopperOptions
 
     @property
     def template_dirs(self):
@@ -43,7 +45,8 @@ class Sm90Family(KernelFamily):
         if not resources.Resources(config).hopper_backward_problems():
             return config
         tile = resources.default_tile(config.head_dim)
-        default = KernelConfig(config.head_dim, config.dtype, config.arch, tile, kernel_family=config.kernel_family)
+        default = KernelConfig(config.head_dim, config.dtype, config.arch, tile, kernel_family=config.kernel_family,
+                               options=config.options)
         if not (self.problems(default) or resources.Resources(default).hopper_backward_problems()):
             return default
         fallback = KernelConfig(config.head_dim, config.dtype, config.arch, SM80.default_tile(config.head_dim),
@@ -67,14 +70,13 @@ class Sm90Family(KernelFamily):
         if r.hopper_dq_writer:
             dq += " from a writer warp"
         shape = "64 keys, head dims split between the warpgroups" if r.hopper_split_columns else "128 keys"
-        gqa = "; GQA groups summed in the kernel" if r.hopper_grouped_heads else ""
         if r.hopper_ordered_dq:
             deterministic = "the same kernel, dQ added in kv-tile order"
         elif carried_problems:
             deterministic = "none (the carried sm80 backward has none for this variant)"
         else:
             deterministic = "the carried sm80 backward"
-        return f"Hopper dK/dV kernel ({shape}, dQ by {dq}{gqa}); deterministic: {deterministic}"
+        return f"Hopper dK/dV kernel ({shape}, dQ by {dq}); deterministic: {deterministic}"
 
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         r = resources.Resources(config)
@@ -90,6 +92,7 @@ class Sm90Family(KernelFamily):
             context["backward_problem"] = (
                 f"this variant ({config.label}) has no backward kernel: " + "; ".join(hopper_problems).replace('"', "'")
                 + f"; and {mma_problems}")
+        o = r.options
         context.update({
             "warps": config.tile.warps,
             "stages": config.tile.stages,
@@ -97,7 +100,6 @@ class Sm90Family(KernelFamily):
             "wgmma_type": "f16" if config.dtype == "fp16" else "bf16",
             "producer_registers": resources.PRODUCER_REGISTERS,
             "consumer_registers": resources.CONSUMER_REGISTERS,
-            "pingpong": resources.PINGPONG,
             "backward_entry": "sm80_backward_launch",
             "backward_supported": context["mma_backward"] or not hopper_problems,
             "hopper_backward": not hopper_problems,
@@ -105,22 +107,19 @@ class Sm90Family(KernelFamily):
             "ordered_dq": r.hopper_ordered_dq,
             "ordered_section_pairs": r.ordered_section_pairs,
             "atomic_section_pairs": r.atomic_section_pairs,
-            "ordered_descending_steps": resources.ORDERED_DESCENDING_STEPS,
-            "atomic_descending_steps": resources.ATOMIC_DESCENDING_STEPS,
-            "early_scores": resources.EARLY_SCORES,
+            "ordered_descending_steps": o.ordered_descending_steps,
+            "early_scores": o.early_scores,
             "dq_writer": r.hopper_dq_writer,
-            "grouped_heads": r.hopper_grouped_heads,
+            "grouped_heads": False,  # the binding's GQA_IN_KERNEL: dK/dV partials per query head, summed by the caller
             "hopper_backward_problem": "; ".join(hopper_problems).replace('"', "'"),
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": r.hopper_stages,
             "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,
             "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,
-            "persistent": resources.PERSISTENT,
-            "partial_bits": resources.PARTIAL_BITS,
-            "gqa_pack": resources.GQA_PACK,
-            "tables_always_shared": resources.TABLES_ALWAYS_SHARED,
-            "store_by_tma": resources.STORE_BY_TMA,
+            "persistent": o.persistent,
+            "partial_bits": o.partial_bits,
+            "tables_always_shared": o.tables_always_shared,
         })
         return context
 

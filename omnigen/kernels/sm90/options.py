@@ -1,0 +1,64 @@
+"""The sm90 family's kernel options: which code paths a Hopper module renders, as part of its KernelConfig.
+
+Every field's default is what the defaults run (each measured on an H200 or H100 and, where it is on, tested
+by the gpu suite with it on and off); the measurements are in benchmarks/RESULTS.md under the heading named
+beside each field. A config with other options is another variant: its label and module name say so, so two
+settings never share a module, and the tuner can list them as candidates like tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...targets import KernelOptions
+
+
+@dataclass(frozen=True)
+class HopperOptions(KernelOptions):
+    # ---- the forward
+    # A persistent grid: min(SMs, work tiles) CTAs taking work tiles from a counter the launcher zeroes, the K/V
+    # ring running on across tiles ("Run: the dynamic persistent forward and the O TMA store").
+    persistent: bool = True
+    # A partial kv-tile's key tables always through shared memory: the producer copies the rows TMA cannot bring
+    # ("The key tables from shared memory: run, and on").
+    tables_always_shared: bool = True
+    # Partial tiles (forward) and partial steps (backward) read their mask as bits made once per layout where the
+    # mask holds them, instead of evaluating the rules per head ("Partial tiles' masks as bits made once per layout").
+    partial_bits: bool = True
+
+    # ---- the Hopper backward
+    # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
+    # dQ by vector atomics ("First GPU run of the switched kernels"). Off: no backward at d256.
+    split_columns: bool = True
+    # Deterministic mode on the Hopper kernel: dQ added by TMA reduce-add in kv-tile order (a per-(batch, head,
+    # 64 rows) counter); off, deterministic mode runs the carried sm80 backward ("Deterministic mode: the ordered
+    # grid in sections of heads").
+    ordered_dq: bool = True
+    # The ordered grid in sections of this many (head, batch) pairs at head dim 128, kv-tiles slowest inside each,
+    # scaled by (128 / head_dim)^2; 0: one section ("Deterministic mode: the descending walk with small sections").
+    ordered_section_pairs: int = 2
+    # Atomic order's grid in sections of this many pairs at head dim 128, scaled by 128 / head_dim; 0: the 3-D
+    # grid, kv-tiles fastest ("Atomic order's backward grid in sections").
+    atomic_section_pairs: int = 2
+    # Deterministic mode walks each kind's steps last q-tile first, so the kv-tiles of a head reach a q-tile
+    # together instead of a step behind one another (same heading as ordered_section_pairs).
+    ordered_descending_steps: bool = True
+    # The next step's S^T = K Q^T issued under this step's dQ staging ("Eighth session: the Hopper backward's step
+    # structure"). Not with split columns.
+    early_scores: bool = True
+    # Atomic-order dQ reductions issued by a writer warp of the producer warpgroup instead of each consumer warp
+    # ("The backward's dQ reductions from a writer warp").
+    dq_writer: bool = True
+    # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
+    # "A deeper Q/dO ring at d64, timed").
+    backward_stages: int = 0
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("ordered_section_pairs", "atomic_section_pairs", "backward_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                out.append(f"option {name} must be an integer >= 0, not {value!r}")
+        if self.backward_stages == 1:
+            out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
+        return out
