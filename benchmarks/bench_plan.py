@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omnigen  # noqa: E402
 
@@ -92,6 +90,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention's create_block_mask")
     args = parser.parse_args()
+    import torch  # here, not at the top: plan_memory.py imports transfusion_segments in processes that never use torch
 
     rows = []
     cuda = torch.cuda.is_available()

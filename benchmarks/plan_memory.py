@@ -9,8 +9,15 @@ Layouts: `causal` is one text segment of S tokens (`text:S`, the Transfusion rul
 is bench_plan.py's Transfusion-style layout (text runs of 16-72 tokens between 256-token images,
 one document).
 
+`--command` picks what each point runs: `api` (the default) is `omnigen.plan` and the plan's statistics;
+`plan` and `show-png` are the commands `omnigen plan` and `omnigen show --png FILE`, run in the child
+through click's test runner (a Transfusion layout of 4M tokens is ~140 KB of text, more than one
+command-line argument may hold), timed and measured the same way.
+
     python benchmarks/plan_memory.py                       # 1K .. 1M, both layouts, a table
     python benchmarks/plan_memory.py --sizes 1024 262144 --json out.json --png docs/plan_memory.png
+    python benchmarks/plan_memory.py --command show-png --sizes 1048576 --layouts causal
+    python benchmarks/plan_memory.py --command plan --sizes 1048576 4194304 --root /tmp/old   # another checkout
 """
 
 from __future__ import annotations
@@ -24,33 +31,50 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1024, 16384, 65536, 131072, 262144, 524288, 1048576)
 LAYOUTS = ("causal", "transfusion")
+COMMANDS = ("api", "plan", "show-png")
 
 CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, tempfile, time
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {bench!r})
-import omnigen
 from bench_plan import transfusion_segments
-rules = omnigen.Rules.load({rules!r})
-kind, S = {kind!r}, {size}
+kind, S, command, rules_path = {kind!r}, {size}, {command!r}, {rules!r}
+segments = [("text", S)] if kind == "causal" else transfusion_segments(S)
 start = time.perf_counter()
-try:
-    segments = [("text", S)] if kind == "causal" else transfusion_segments(S)
-    layout = omnigen.Layout.from_segments(segments)
-    plan = omnigen.plan(rules, layout, 128, 128)
-    counts, pairs = plan.counts(), plan.allowed_pairs
-    result = {{"tiles_visited": plan.num_tiles, "metadata_bytes": plan.nbytes()}}
-except MemoryError as exc:
-    result = {{"refused": str(exc)}}
+if command == "api":
+    import omnigen
+    rules = omnigen.Rules.load(rules_path)
+    try:
+        layout = omnigen.Layout.from_segments(segments)
+        plan = omnigen.plan(rules, layout, 128, 128)
+        counts, pairs = plan.counts(), plan.allowed_pairs
+        result = {{"tiles_visited": plan.num_tiles, "metadata_bytes": plan.nbytes()}}
+    except MemoryError as exc:
+        result = {{"refused": str(exc)}}
+else:
+    from click.testing import CliRunner
+    from omnigen.cli import cli
+    args = [command.split("-")[0], "--rules", rules_path, "--layout", " ".join(f"{{m}}:{{n}}" for m, n in segments)]
+    with tempfile.TemporaryDirectory() as folder:
+        if command == "show-png":
+            args += ["--png", os.path.join(folder, "mask.png"), "--width", "100"]
+        done = CliRunner().invoke(cli, args)
+    if done.exit_code == 0:
+        result = {{"output_lines": len(done.output.splitlines())}}
+    elif done.exit_code == 2:
+        result = {{"refused": " ".join(done.output.split())}}
+    else:
+        raise SystemExit(done.output[-2000:] + repr(done.exception))
 result["seconds"] = time.perf_counter() - start
 result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+result["imported_torch"] = "torch" in sys.modules
 print(json.dumps(result))
 """
 
 
-def measure(kind: str, size: int, timeout: float) -> dict:
-    code = CHILD.format(root=str(ROOT), bench=str(ROOT / "benchmarks"), kind=kind, size=size,
-                        rules=str(ROOT / "examples/rules/transfusion.yaml"))
+def measure(kind: str, size: int, timeout: float, command: str = "api", root: Path = ROOT) -> dict:
+    code = CHILD.format(root=str(root), bench=str(root / "benchmarks"), kind=kind, size=size, command=command,
+                        rules=str(root / "examples/rules/transfusion.yaml"))
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -66,15 +90,19 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--command", choices=COMMANDS, default="api",
+                        help="what a point runs: omnigen.plan (api), `omnigen plan`, `omnigen show --png`")
+    parser.add_argument("--root", type=Path, default=ROOT, help="checkout to run (default: this one)")
     parser.add_argument("--json", type=Path, help="write the points here")
     parser.add_argument("--png", type=Path, help="draw the curve here (needs matplotlib)")
     args = parser.parse_args()
 
     rows = []
     for kind in args.layouts:
-        baseline = measure(kind, 1024, args.timeout)["peak_rss"]
+        baseline = measure(kind, 1024, args.timeout, args.command, args.root.resolve())["peak_rss"]
         for size in args.sizes:
-            row = {"layout": kind, "tokens": size, **measure(kind, size, args.timeout)}
+            row = {"layout": kind, "tokens": size, "command": args.command,
+                   **measure(kind, size, args.timeout, args.command, args.root.resolve())}
             if "peak_rss" in row:
                 row["above_baseline_mb"] = round((row["peak_rss"] - baseline) / 2**20, 1)
             rows.append(row)

@@ -204,6 +204,23 @@ class _CpuTables:
         return cls(tables.batch_size, tables.seq_len, start, end, modality, visible_start, visible_end, token_segment)
 
 
+def _unique(values: np.ndarray) -> np.ndarray:
+    """np.unique of a 1-d array, without np.unique: that imports numpy.ma on first use (~30 ms of a
+    command line's 0.5 s on a busy 2-core machine), for a check that never applies here."""
+    values = np.sort(values)
+    return values[np.r_[True, values[1:] != values[:-1]]] if values.shape[0] else values
+
+
+def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(values, return_inverse=True) of a 1-d array (see `_unique`)."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    opens = np.r_[True, ordered[1:] != ordered[:-1]] if values.shape[0] else np.zeros(0, dtype=bool)
+    inverse = np.empty(values.shape[0], dtype=np.int64)
+    inverse[order] = np.cumsum(opens) - 1
+    return ordered[opens], inverse
+
+
 def _ragged(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """All (owner, value) with lo[owner] <= value < hi[owner]."""
     sizes = np.maximum(hi - lo, 0)
@@ -300,7 +317,7 @@ class _Problem:
 
         # ---- row pieces: runs of rows inside one q-tile and one segment (sorted by row) -----------
         tile_starts = (np.arange(B)[:, None] * S + np.arange(nq)[None, :] * block_m).reshape(-1)
-        starts = np.unique(np.concatenate([tile_starts, t.seg_start]))  # sorted
+        starts = _unique(np.concatenate([tile_starts, t.seg_start]))  # sorted
         ends = np.append(starts[1:], n_tokens)
         segment = t.token_segment[starts].astype(np.int64)
         modality = t.seg_modality[segment]
@@ -430,7 +447,7 @@ class _Problem:
         if n_bands == 1:
             return [(0, self.n_rows)]
         cuts = np.searchsorted(total, np.arange(1, n_bands) * CHUNK_COST, side="right")
-        edges = np.unique(np.concatenate([[0], np.minimum(np.maximum(cuts, 1), self.n_rows), [self.n_rows]]))
+        edges = _unique(np.concatenate([[0], np.minimum(np.maximum(cuts, 1), self.n_rows), [self.n_rows]]))
         return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
     def classify(self, ra: int, rb: int, narrow: bool) -> tuple[np.ndarray, int]:
@@ -523,7 +540,7 @@ class _Problem:
             )
 
         local = (row_tile[piece] - ra) * nk + j  # row-major over [rows, nk]
-        tile, inverse = np.unique(local, return_inverse=True)
+        tile, inverse = _unique_inverse(local)
         n_allowed = np.zeros(tile.shape[0], dtype=np.int64)
         np.add.at(n_allowed, inverse, near_allowed)
         n_above = np.zeros(tile.shape[0], dtype=np.int64)
@@ -578,15 +595,19 @@ def tile_counts(problem: _Problem) -> dict[str, int]:
     # ---- far: rows grouped by (element, modality set); per group, prefix sums over its kv-tiles ----------
     rows = np.flatnonzero(jf1 > jf0)
     if rows.shape[0]:
-        keys = np.stack([rows // nq, problem.row_set[rows].astype(np.int64)], axis=1)
-        groups, first, group_of = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        group_of = group_of.reshape(-1)
-        order = np.argsort(group_of, kind="stable")
-        bounds = np.searchsorted(group_of[order], np.arange(groups.shape[0] + 1))
+        element_of, set_of = rows // nq, problem.row_set[rows]
+        order = np.lexsort((set_of, element_of))  # rows by group; groups by (element, set)
+        by_element, by_set = element_of[order], set_of[order]
+        opens = np.r_[True, (by_element[1:] != by_element[:-1]) | (by_set[1:] != by_set[:-1])]
+        first = order[opens]  # each group's first row (an index into `rows`)
+        group_of = np.empty(rows.shape[0], dtype=np.int64)
+        group_of[order] = np.cumsum(opens) - 1
+        n_groups = first.shape[0]
+        bounds = np.append(np.flatnonzero(opens), rows.shape[0])
         step = max(1, CHUNK_COST // max(nk, 1))
-        for g0 in range(0, groups.shape[0], step):
-            g1 = min(groups.shape[0], g0 + step)
-            element, sets = groups[g0:g1, 0], problem.row_set[rows[first[g0:g1]]]
+        for g0 in range(0, n_groups, step):
+            g1 = min(n_groups, g0 + step)
+            element, sets = element_of[first[g0:g1]], set_of[first[g0:g1]]
             kind = _far_kind(sets[:, None], problem.full_bits[element], problem.seen_bits[element])
             members = order[bounds[g0] : bounds[g1]]
             g, r = group_of[members] - g0, rows[members]
@@ -621,7 +642,7 @@ def _near_chunks(problem: _Problem) -> list[tuple[int, int]]:
     if not total.shape[0] or total[-1] <= NEAR_ENTRIES:
         return [(0, problem.n_rows)]
     cuts = np.searchsorted(total, np.arange(1, int(total[-1] // NEAR_ENTRIES) + 1) * NEAR_ENTRIES, side="right")
-    edges = np.unique(np.concatenate([[0], np.clip(cuts, 1, problem.n_rows), [problem.n_rows]]))
+    edges = _unique(np.concatenate([[0], np.clip(cuts, 1, problem.n_rows), [problem.n_rows]]))
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
@@ -648,8 +669,8 @@ class KindCells:
         c_row0, c_row1 = q0 // rf, (q0 + n - 1) // rf + 1
         cells = self.bits[element, c_row0:c_row1]
         if width:
-            row_starts = np.unique(np.concatenate([[0], np.arange(-q0 % rf, n, rf)]))
-            col_starts = np.unique(np.concatenate([[0], np.arange(-j0 % cf, width, cf)]))
+            row_starts = _unique(np.concatenate([[0], np.arange(-q0 % rf, n, rf)]))
+            col_starts = _unique(np.concatenate([[0], np.arange(-j0 % cf, width, cf)]))
             reduced = np.bitwise_or.reduceat(np.bitwise_or.reduceat(_KIND_BIT[grid], row_starts, axis=0),
                                              col_starts, axis=1)
             c_col0 = j0 // cf
