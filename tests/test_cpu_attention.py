@@ -235,10 +235,10 @@ def test_errors_name_the_argument_and_the_fix():
         omnigen.attention(q.to("meta"), k.to("meta"), v.to("meta"), layout, RULES)
     with pytest.raises(ValueError, match=r"the mask has 1 batch elements but q has batch 2"):
         omnigen.attention(*_qkv(2, 2, 2, 32, torch.float32), omnigen.mask(RULES, layout, device="cpu"))
-    with pytest.raises(ValueError, match=r"omnigen::attention: no kernel 'kernel:gone'"):
+    with pytest.raises(ValueError, match=r"omnigen::attention: no kernel 'kernel/v2:gone'"):
         mask = omnigen.mask(RULES, layout, device="cpu")
         torch.ops.omnigen.attention(q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment,
-                                    mask.token_modality, mask.token_doc, "kernel:gone", 0.125, False)
+                                    mask.token_modality, mask.token_doc, "kernel/v2:gone", 0.125, False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

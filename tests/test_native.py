@@ -63,8 +63,8 @@ def test_the_shim_builds_once_and_registers_cuda_kernels(shim_cache, monkeypatch
 
 
 def test_launch_choice_names_an_unknown_kernel():
-    with pytest.raises(ValueError, match="no kernel 'kernel:nothing#0' in this process"):
-        torch.ops.omnigen._launch_choice("kernel:nothing#0", torch.zeros(1, 1, 8, 64), False)
+    with pytest.raises(ValueError, match="no kernel 'kernel/v2:nothing#0' in this process"):
+        torch.ops.omnigen._launch_choice("kernel/v2:nothing#0", torch.zeros(1, 1, 8, 64), False)
 
 
 def test_omnigen_native_0_keeps_calls_in_python(monkeypatch):

@@ -63,10 +63,12 @@ def test_native_and_python_kernels_give_the_same_bits(B, Hq, Hkv, S, D, dtype, d
     out, lse = torch.ops.omnigen.attention.default(*inputs)  # the C++ kernel
     out_py, lse_py = library.attention_op._init_fn(*inputs)  # the Python kernel, called directly
     assert torch.equal(out, out_py) and torch.equal(lse, lse_py)
+    assert out.stride() == out_py.stride() and out.transpose(1, 2).is_contiguous()
     grads = torch.ops.omnigen.attention_backward.default(d_out, q, k, v, out, lse, *inputs[3:])
     grads_py = library.attention_backward_op._init_fn(d_out, q, k, v, out, lse, *inputs[3:])
     for name, native_grad, python_grad in zip(("dq", "dk", "dv"), grads, grads_py):
-        assert native_grad.shape == python_grad.shape and native_grad.is_contiguous(), name
+        assert native_grad.shape == python_grad.shape and native_grad.stride() == python_grad.stride(), name
+        assert native_grad.transpose(1, 2).is_contiguous(), name  # [B, S, H, D] in memory (heads_inner)
         if deterministic:
             assert torch.equal(native_grad, python_grad), name
         else:  # dQ by atomics: the order of additions differs run to run, in either path
@@ -101,3 +103,41 @@ def test_forgetting_launch_choices_is_harmless():
     first = omnigen.attention(q, k, v, "text:300", RULES)
     native.forget()
     assert torch.equal(first, omnigen.attention(q, k, v, "text:300", RULES))
+
+
+def test_outputs_are_stored_heads_inner_and_compiled_models_match_eager():
+    """Every output is [B, S, H, D] in memory (`kernels.launch.heads_inner`); under torch.compile Inductor may hand
+    the op q and k in the layout it finds cheapest (the ops' flexible_layout tag). The kernels read any row
+    strides, so the compiled call gives the eager call's bits on the same q, k, v, and the gradients agree."""
+    B, S, H, D = 2, 1024, 4, 64
+    mask = omnigen.mask(RULES, omnigen.Layout.batch(tune_layouts.synthetic_batch(RULES, S, B * S, seed=3)),
+                        device="cuda", head_dim=D, dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(B, S, 3 * H * D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cos, sin = (f(torch.rand(S, 1, D // 2, device="cuda", generator=gen)) for f in (torch.cos, torch.sin))
+
+    def rope(t):  # [B, S, H, D] -> [B, H, S, D], ending in a cat as rotary embeddings do
+        t1, t2 = t.float().chunk(2, -1)
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1).to(t.dtype).transpose(1, 2)
+
+    def block(x):  # a projection's output through rope into attention, heads back inside for the next projection
+        q, k, v = x.view(B, S, 3, H, D).unbind(2)
+        q, k, v = rope(q), rope(k), v.transpose(1, 2)
+        out = omnigen.attention(q, k, v, mask, deterministic=True)
+        return out.transpose(1, 2).reshape(B, S, H * D), q, k, v
+
+    results = []
+    try:
+        for run in (block, torch.compile(block, fullgraph=True)):
+            xs = x.clone().requires_grad_()
+            y, q, k, v = run(xs)
+            y.backward(torch.ones_like(y))
+            results.append((y.detach(), q.detach(), k.detach(), v.detach(), xs.grad))
+    finally:
+        torch._dynamo.reset()
+    (y_eager, *_, g_eager), (y_compiled, q, k, v, g_compiled) = results
+    again = omnigen.attention(q.contiguous(), k.contiguous(), v.contiguous(), mask, deterministic=True)
+    assert again.stride() == (S * H * D, D, H * D, 1)  # heads inner
+    assert torch.equal(again.transpose(1, 2).reshape(B, S, H * D), y_compiled)
+    torch.testing.assert_close(y_compiled.float(), y_eager.float(), atol=2e-2, rtol=2e-2)  # rope's rounding
+    torch.testing.assert_close(g_compiled.float(), g_eager.float(), atol=5e-2, rtol=5e-2)

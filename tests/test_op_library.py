@@ -55,12 +55,15 @@ def test_fake_tensors_give_the_kernels_output_shapes(Hq, Hkv):
         fake = [mode.from_tensor(t) for t in [*mask.schedules, mask.token_segment, mask.token_modality, mask.token_doc]]
         schedules, tables = fake[:-3], fake[-3:]
         out, lse = torch.ops.omnigen.attention(q, k, k, schedules, [32, 16], *tables, "kernel:none", 0.125, False)
-        assert out.shape == (2, Hq, 96, 64) and out.dtype == torch.bfloat16 and out.is_contiguous()
-        assert lse.shape == (2, Hq, 96) and lse.dtype == torch.float32
+        assert out.shape == (2, Hq, 96, 64) and out.dtype == torch.bfloat16
+        # stored as [B, S, H, D] (as SDPA's flash/cuDNN outputs), so [B, S, H * D] is a view
+        assert out.stride() == (96 * Hq * 64, 64, Hq * 64, 1) and out.transpose(1, 2).is_contiguous()
+        assert lse.shape == (2, Hq, 96) and lse.dtype == torch.float32 and lse.is_contiguous()
         dq, dk, dv = torch.ops.omnigen.attention_backward(out, q, k, k, out, lse, schedules, [32, 16], *tables,
                                                           "kernel:none", 0.125, False)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
         assert dk.dtype == torch.bfloat16
+        assert all(g.transpose(1, 2).is_contiguous() for g in (dq, dk, dv))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,9 +267,11 @@ def test_compile_default_mode_with_a_plain_layout_breaks_the_graph_once_and_full
 
 
 def test_op_keys_name_kernels_and_rules():
-    with pytest.raises(ValueError, match="no kernel 'kernel:gone#1'"):
-        library.resolve("kernel:gone#1", torch.empty(1, 1, 1, 16))
-    with pytest.raises(ValueError, match="'kernel:<key>' or 'rules:<key>'"):
+    with pytest.raises(ValueError, match="no kernel 'kernel/v2:gone#1'"):
+        library.resolve("kernel/v2:gone#1", torch.empty(1, 1, 1, 16))
+    with pytest.raises(ValueError, match="'kernel/v2:<key>' or 'rules/v2:<key>'"):
         library.resolve("what", torch.empty(1, 1, 1, 16))
+    with pytest.raises(ValueError, match="'kernel/v2:<key>' or 'rules/v2:<key>', not 'kernel:gone#1'"):
+        library.resolve("kernel:gone#1", torch.empty(1, 1, 1, 16))  # a string of an older omnigen's graph
     with pytest.raises(ValueError, match="not alive"):
-        library.resolve("rules:nobody-0000", torch.empty(1, 1, 1, 16))
+        library.resolve("rules/v2:nobody-0000", torch.empty(1, 1, 1, 16))

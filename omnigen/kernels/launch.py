@@ -55,6 +55,23 @@ def capabilities(module: Any) -> Capabilities:
     return found
 
 
+def heads_inner(batch: int, heads: int, seq_len: int, head_dim: int, *, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """An uninitialised [B, H, S, D] tensor stored as [B, S, H, D]: the layout of every tensor the ops return
+    (out, dq, dk, dv), as SDPA's flash and cuDNN kernels return theirs. A model's next step reads it as
+    [B, S, H * D] (`out.transpose(1, 2).reshape(B, S, -1)` for the output projection, the backward of the q/k/v
+    projection for the gradients), a view instead of a transposing copy. The kernels take any row strides."""
+    return torch.empty(batch, seq_len, heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+
+
+def as_heads_inner(t: torch.Tensor) -> torch.Tensor:
+    """`t` [B, H, S, D] in the ops' output layout (`heads_inner`): itself when it is, else a copy."""
+    B, H, S, D = t.shape
+    if t.stride() == (S * H * D, D, H * D, 1) or t.numel() == 0:
+        return t
+    return heads_inner(B, H, S, D, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """The kernels need a contiguous last dim, 16-byte aligned rows: copy only when that fails."""
     aligned = t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
@@ -149,7 +166,7 @@ def forward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of a built module: (out, lse). Inputs already checked (omnigen.op)."""
     B, Hq, S, D = q.shape
-    out = torch.empty(B, Hq, S, D, dtype=q.dtype, device=q.device)
+    out = heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     launch_forward(module, p, q, k, v, out, lse, scale)
     return out, lse
@@ -169,13 +186,14 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     launch_delta(module, out, d_out, delta)
     dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
     partials = Hq != Hkv and not grouped_dkdv(module, Hq, Hkv, deterministic)
+    dk, dv = (heads_inner(B, Hkv, S, D, dtype=t.dtype, device=q.device) for t in (k, v))
     if not partials:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk_kernel, dv_kernel = dk, dv
     else:  # per q-head partial dK/dV, summed over each group of q heads below
-        dk = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-        dv = torch.empty_like(dk)
-    launch_backward(module, p, q, k, v, out, lse, d_out, delta, dq_accum, dk, dv, scale, deterministic)
+        dk_kernel = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
+        dv_kernel = torch.empty_like(dk_kernel)
+    launch_backward(module, p, q, k, v, out, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic)
     if partials:
-        dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(k.dtype)
-        dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2).to(v.dtype)
-    return dq_accum.to(q.dtype), dk, dv
+        dk.copy_(dk_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
+        dv.copy_(dv_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
+    return heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device).copy_(dq_accum), dk, dv

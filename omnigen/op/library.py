@@ -13,15 +13,15 @@ as one node (it never traces the launch code, which reads raw pointers and the C
   partial tiles' slot starts and bits for both schedules, `omnigen.plan.bits`);
   `tiles`: their (block_m, block_n), flattened. The op runs the tile shapes its kernel picks for the
   sequence length (the tuned choice, or the default) and finds their schedules in the list.
-- `kernel`: which kernel, as a string: "kernel:<Kernel.key>" (a `Kernel` object of this process) or
-  "rules:<Rules.key>" (what `omnigen.attention` builds on first use for the rules, head dim, dtype and
+- `kernel`: which kernel, as a string: "kernel/v2:<Kernel.key>" (a `Kernel` object of this process) or
+  "rules/v2:<Rules.key>" (what `omnigen.attention` builds on first use for the rules, head dim, dtype and
   device of q).
 - token tables: int32 [B, S], the layout's segment, modality and document of every token.
 
 On CPU tensors both ops run the PyTorch path of `op/cpu.py` (for tests and debugging) with the rules the key
 names, on whichever of the mask's tile shapes is largest; no kernel is built. `register_fake` gives the output
 shapes (for FakeTensor tracing), `op/autograd.py` registers the backward. The kernels behind the string keys
-live in in-process registries (`register_kernel`, and the resolver `op/kernel.py` installs for "rules:" keys);
+live in in-process registries (`register_kernel`, and the resolver `op/kernel.py` installs for "rules/v2:" keys);
 nothing here imports the layer that makes them.
 """
 
@@ -33,14 +33,19 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..kernels import capabilities, family_of, kernel_ready
+from ..kernels import as_heads_inner, capabilities, family_of, heads_inner, kernel_ready
 from ..plan.masks import PER_SHAPE, SCHEDULE_TENSORS
 from ..plan.schedule import dq_ranks
 from ..rules import rules_for_key
 from . import checks, cpu
 
-KERNEL_PREFIX = "kernel:"
-RULES_PREFIX = "rules:"
+# The kernel strings carry the version of the ops' output layout (heads_inner since v2). torch.compile's caches
+# key a compiled graph by the graph, these strings included, but not by a custom op's fake: a graph cached by an
+# omnigen whose outputs had other strides would be reused and stop at Inductor's stride assertion. Bump the
+# version with any change to what the fakes return.
+OUTPUT_LAYOUT_VERSION = 2
+KERNEL_PREFIX = f"kernel/v{OUTPUT_LAYOUT_VERSION}:"
+RULES_PREFIX = f"rules/v{OUTPUT_LAYOUT_VERSION}:"
 
 _KERNELS: dict[str, Any] = {}
 _COUNTER = itertools.count()
@@ -50,7 +55,7 @@ _rules_resolver: Callable[[str, int, torch.dtype, torch.device], Any] | None = N
 
 
 def register_kernel(kernel: Any, name: str) -> str:
-    """Give a kernel its op key ("kernel:<name>#<n>"), unique in the process."""
+    """Give a kernel its op key ("kernel/v2:<name>#<n>"), unique in the process."""
     with _LOCK:
         key = f"{KERNEL_PREFIX}{name}#{next(_COUNTER)}"
         _KERNELS[key] = kernel
@@ -63,7 +68,7 @@ def set_rules_resolver(resolver: Callable[[str, int, torch.dtype, torch.device],
 
 
 def resolve(kernel: str, q: torch.Tensor) -> Any:
-    """The Kernel object a key names (for a "rules:" key: the one for q's head dim, dtype and device)."""
+    """The Kernel object a key names (for a "rules/v2:" key: the one for q's head dim, dtype and device)."""
     if kernel.startswith(KERNEL_PREFIX):
         found = _KERNELS.get(kernel)
         if found is None:
@@ -71,7 +76,7 @@ def resolve(kernel: str, q: torch.Tensor) -> Any:
         return found
     if kernel.startswith(RULES_PREFIX) and _rules_resolver is not None:
         return _rules_resolver(kernel[len(RULES_PREFIX):], q.shape[-1], q.dtype, q.device)
-    raise ValueError(f"omnigen::attention: kernel must be 'kernel:<key>' or 'rules:<key>', not {kernel!r}")
+    raise ValueError(f"omnigen::attention: kernel must be '{KERNEL_PREFIX}<key>' or '{RULES_PREFIX}<key>', not {kernel!r}")
 
 
 def rules_of(kernel: str) -> Any:
@@ -87,7 +92,7 @@ def rules_of(kernel: str) -> Any:
         except KeyError:
             raise ValueError(f"omnigen::attention: the rules {kernel[len(RULES_PREFIX):]!r} are not alive in this "
                              "process") from None
-    raise ValueError(f"omnigen::attention: kernel must be 'kernel:<key>' or 'rules:<key>', not {kernel!r}")
+    raise ValueError(f"omnigen::attention: kernel must be '{KERNEL_PREFIX}<key>' or '{RULES_PREFIX}<key>', not {kernel!r}")
 
 
 def on_host_path(q: torch.Tensor) -> bool:
@@ -198,7 +203,15 @@ def pass_module(kernel: str, q: torch.Tensor, backward: bool) -> tuple[Any, Any]
     return config, module
 
 
-@torch.library.custom_op("omnigen::attention", mutates_args=())
+# Inductor may hand the ops q, k, v, out and dO in whatever layout their producers find cheapest
+# (flexible_layout): the kernels take any row strides (kernel_ready copies only a tensor they cannot read), and
+# the outputs' layout is fixed (heads_inner), never derived from the inputs'. Under the default (the layouts eager
+# mode had at trace time) a model whose rotary embedding ends in a `cat` had q and k rewritten by Inductor as
+# [B, H, S, D] copies, 11 ms a step at config (a) of benchmarks/train_step.py (RESULTS.md).
+_LAYOUT_TAGS = (torch._C.Tag.flexible_layout,)
+
+
+@torch.library.custom_op("omnigen::attention", mutates_args=(), tags=_LAYOUT_TAGS)
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules: list[torch.Tensor], tiles: list[int],
     token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor,
@@ -207,21 +220,23 @@ def attention_op(
     _check_lists(schedules, tiles)
     if on_host_path(q):
         plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
-        return cpu.forward(rules_of(kernel), plan, q, k, v, scale)
+        out, lse = cpu.forward(rules_of(kernel), plan, q, k, v, scale)
+        return as_heads_inner(out), lse
     config, module = pass_module(kernel, q, backward=False)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)
     q, k, v = (kernel_ready(t) for t in (q, k, v))
-    return family_of(config).forward(module, plan, q, k, v, scale)
+    out, lse = family_of(config).forward(module, plan, q, k, v, scale)
+    return as_heads_inner(out), lse
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, deterministic):
     B, Hq, S, D = q.shape
-    return q.new_empty(B, Hq, S, D), q.new_empty(B, Hq, S, dtype=torch.float32)
+    return heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device), q.new_empty(B, Hq, S, dtype=torch.float32)
 
 
-@torch.library.custom_op("omnigen::attention_backward", mutates_args=())
+@torch.library.custom_op("omnigen::attention_backward", mutates_args=(), tags=_LAYOUT_TAGS)
 def attention_backward_op(
     d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     schedules: list[torch.Tensor], tiles: list[int],
@@ -231,17 +246,17 @@ def attention_backward_op(
     _check_lists(schedules, tiles)
     if on_host_path(q):
         plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
-        return cpu.backward(rules_of(kernel), plan, q, k, v, out, lse, d_out, scale)
+        return tuple(as_heads_inner(g) for g in cpu.backward(rules_of(kernel), plan, q, k, v, out, lse, d_out, scale))
     config, module = pass_module(kernel, q, backward=True)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                          config.tile.block_m, config.tile.block_n)
     q, k, v, out, d_out = (kernel_ready(t) for t in (q, k, v, out, d_out))
     dq, dk, dv = family_of(config).backward(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
-    # Own, contiguous outputs (what the fake says): a family may hand back views or k-shaped strides.
-    return tuple(g if g.is_contiguous() else g.contiguous() for g in (dq, dk, dv))
+    # Own tensors in the layout the fake says (a family may hand back views or k-shaped strides).
+    return tuple(as_heads_inner(g) for g in (dq, dk, dv))
 
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(d_out, q, k, v, out, lse, schedules, tiles, token_segment, token_modality, token_doc,
                              kernel, scale, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return tuple(heads_inner(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

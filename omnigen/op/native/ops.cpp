@@ -150,6 +150,12 @@ void set_partial_bits(Args& args, const LaunchChoice& choice, const at::Tensor& 
 
 void raise_unless_ok(int status, const char* message) { TORCH_CHECK(status == 0, message); }
 
+// An uninitialised [B, H, S, D] tensor stored as [B, S, H, D]: the layout of every tensor the ops return (the
+// Python path's kernels.launch.heads_inner says why). The kernels take any row strides.
+at::Tensor heads_inner(int64_t B, int64_t H, int64_t S, int64_t D, const at::TensorOptions& options) {
+  return at::empty({B, S, H, D}, options).transpose(1, 2);
+}
+
 // The current stream of q's device as a cudaStream_t, through c10's device-generic interface: no CUDA headers or
 // libraries here, so the shim builds (and loads) against any torch, a CPU-only one included.
 uintptr_t current_stream(const at::Tensor& q) {
@@ -166,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   const at::TensorList plan = schedules_for(schedules, tiles, choice);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
-  at::Tensor out = at::empty({B, Hq, S, D}, q.options());
+  at::Tensor out = heads_inner(B, Hq, S, D, q.options());
   at::Tensor lse = at::empty({B, Hq, S}, q.options().dtype(at::kFloat));
   // The persistent forward takes its work tiles from a counter, a fresh one per call: two streams never share one.
   at::Tensor counter;
@@ -223,8 +229,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const bool grouped = Hq != Hkv && (choice.flags & kGqaInKernel) && (!deterministic || ordered);
   const bool partials = Hq != Hkv && !grouped;  // dK/dV per query head in fp32, summed over each group below
   at::Tensor dq_accum = at::zeros({B, Hq, S, D}, f32);
-  at::Tensor dk = partials ? at::empty({B, Hq, S, D}, f32) : at::empty({B, Hkv, S, D}, k.options());
-  at::Tensor dv = partials ? at::empty({B, Hq, S, D}, f32) : at::empty({B, Hkv, S, D}, v.options());
+  at::Tensor dk = heads_inner(B, Hkv, S, D, k.options()), dv = heads_inner(B, Hkv, S, D, v.options());
+  // Under GQA without the in-kernel sum: dK/dV per query head in fp32, summed into dk/dv below.
+  const at::Tensor dk_kernel = partials ? at::empty({B, Hq, S, D}, f32) : dk;
+  const at::Tensor dv_kernel = partials ? at::empty({B, Hq, S, D}, f32) : dv;
 
   omnigen::BackwardArgs args{};
   set_shared(args, q, k, v, plan, token_segment, token_modality, token_doc, scale, choice.block_m);
@@ -232,10 +240,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   args.lse = lse.data_ptr<float>();
   args.delta = delta.data_ptr<float>();
   args.dq_accum = dq_accum.data_ptr<float>();
-  args.dk = dk.data_ptr(), args.dv = dv.data_ptr();
+  args.dk = dk_kernel.data_ptr(), args.dv = dv_kernel.data_ptr();
   args.d_o_stride_b = d_out.stride(0), args.d_o_stride_h = d_out.stride(1), args.d_o_stride_s = d_out.stride(2);
-  args.dk_stride_b = dk.stride(0), args.dk_stride_h = dk.stride(1), args.dk_stride_s = dk.stride(2);
-  args.dv_stride_b = dv.stride(0), args.dv_stride_h = dv.stride(1), args.dv_stride_s = dv.stride(2);
+  args.dk_stride_b = dk_kernel.stride(0), args.dk_stride_h = dk_kernel.stride(1);
+  args.dk_stride_s = dk_kernel.stride(2);
+  args.dv_stride_b = dv_kernel.stride(0), args.dv_stride_h = dv_kernel.stride(1);
+  args.dv_stride_s = dv_kernel.stride(2);
   args.bwd_ptr = address<int32_t>(plan[kBwdPtr]);
   args.bwd_q = address<int32_t>(plan[kBwdQ]);
   args.deterministic = deterministic ? 1 : 0;
@@ -254,10 +264,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   raise_unless_ok(choice.backward(args, stream, message, sizeof message), message);
 
   if (partials) {
-    dk = dk.view({B, Hkv, Hq / Hkv, S, D}).sum(2).to(k.scalar_type());
-    dv = dv.view({B, Hkv, Hq / Hkv, S, D}).sum(2).to(v.scalar_type());
+    dk.copy_(dk_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
+    dv.copy_(dv_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
   }
-  return {dq_accum.to(q.scalar_type()), dk.contiguous(), dv.contiguous()};
+  return {heads_inner(B, Hq, S, D, q.options()).copy_(dq_accum), dk, dv};
 }
 
 }  // namespace
