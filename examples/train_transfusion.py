@@ -231,7 +231,11 @@ def profile(name: str, one_step, steps: int, wall_ms: float) -> dict:
             one_step()
         torch.cuda.synchronize()
     events = prof.events()
-    gpu = [(e.name, e.time_range.elapsed_us()) for e in events if e.device_type == DeviceType.CUDA]
+    # kernels only: the named ranges (and Inductor's "## Call CompiledFxGraph" ones) also appear on the GPU's
+    # timeline, as user annotations spanning the kernels they contain
+    gpu = [(e.name, e.time_range.elapsed_us()) for e in events
+           if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+           and not e.name.startswith(("step: ", "## "))]
     gpu_ms = sum(us for _, us in gpu) / steps / 1e3
     attention_ms = sum(us for n, us in gpu if re.search(ATTENTION_KERNELS[name], n)) / steps / 1e3
     host, parts = {}, {}
