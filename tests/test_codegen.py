@@ -131,8 +131,10 @@ def test_emitted_code_reads_like_the_rules():
         assert word in mask, word
     assert "/* image       -> */ { See::kNone" in mask
     kernel = files["demo_bf16_d128_m128n64w4s2_sm_80.cu"]
-    for comment in ("// Full path: no mask work.", "// Causal path: one compare per score.",
-                    "// Partial path: the generated predicate.", "omnigen::mma_abt"):  # tensor-core products, as named tile steps
+    # the code paths named at the top (their walk: omnigen/tile_kinds.cuh's for_each_tile), tensor-core products as
+    # named tile steps
+    for comment in ("//   full    -- every pair allowed: no mask work", "//   causal  -- the tile's mask is k <= q",
+                    "//   partial -- anything else: the rules' predicate", "for_each_tile(", "omnigen::mma_abt"):
         assert comment in kernel, comment
     assert "#define" not in kernel and "#define" not in mask  # no macro soup
     no_window = codegen.render(omnigen.Rules(name="plain", modalities={"text": "causal"}, documents="shared"), CONFIG)
@@ -263,7 +265,8 @@ def test_variants_without_a_backward_say_why():
     files = codegen.render(rules, wide)
     backward = files[codegen.source_names(rules, wide)["backward"]]
     # Delta still works; no dK/dV or dQ kernel is compiled.
-    assert "dkdv_kernel(const" not in backward and "dq_kernel(const" not in backward and "delta_kernel(const" in backward
+    assert "dkdv_kernel(const" not in backward and "dq_kernel(const" not in backward
+    assert "launch_delta<" in backward  # omnigen/delta.cuh's kernel
     assert "has no backward kernel: the backward holds dK and dV" in backward
     assert "constexpr bool kHasBackward = false;" in files[codegen.source_names(rules, wide)["binding"]]
     assert not kernels.backward_problems(KernelConfig(128, "bf16", "sm_80"))

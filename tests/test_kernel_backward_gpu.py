@@ -69,8 +69,8 @@ OTHER_TILES = [(64, WIDE_TILE), (128, WIDE_TILE), (64, TileConfig(block_m=64, bl
 
 def _config(head_dim: int, dtype: str, arch: str, tile: TileConfig | None = None, family: str = "sm80",
             options: dict | None = None) -> KernelConfig:
-    """A variant of the family (sm80 runs on a Hopper GPU too; sm90 modules run the Hopper backward where it
-    covers the tile and their carried sm80 backward elsewhere), with sm90 options where given."""
+    """A variant of the family (sm80 runs on a Hopper GPU too; sm90 modules run the Hopper backward, at the tiles it
+    takes), with sm90 options where given."""
     default = sm90_resources.default_tile(head_dim) if family == "sm90" else default_tile(head_dim)
     config = KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile or default, kernel_family=family)
     return with_options(config, **options) if options else config
@@ -284,7 +284,7 @@ def test_sm90_split_columns_backward_d256(case, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_split_columns_deterministic_mode_says_it_has_no_kernel():
     _skip_unless_family_runs("sm90")
-    with pytest.raises(RuntimeError, match="deterministic=True runs the sm80 family's backward"):
+    with pytest.raises(RuntimeError, match="has no deterministic backward: the head_dim 256 Hopper backward"):
         _check_case(TRANSFUSION, ["text:5 image:12"], 2, 2, 256, "bf16", strided=False, deterministic=True,
                     name="deterministic_d256", family="sm90")
 
@@ -298,7 +298,7 @@ def test_sm90_split_columns_speed_report():
 
 
 # ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (the ordered_dq option, on by default;
-# with it off, deterministic mode runs the carried sm80 backward).
+# with it off, the module has no deterministic mode).
 
 
 def _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, first, runs):

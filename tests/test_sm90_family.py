@@ -7,6 +7,7 @@ import pytest
 
 import omnigen
 from omnigen import kernels
+from omnigen.kernels import registry
 from omnigen.jit import codegen
 from omnigen.kernels.sm90 import resources, space
 from omnigen.kernels.sm90.options import HopperOptions
@@ -78,13 +79,21 @@ def test_tiles_the_hopper_forward_cannot_take_say_why(tile, words):
     assert any(words in p for p in problems), problems
 
 
-def test_the_module_carries_sm80s_backward_for_the_same_plan_tile():
+def test_a_module_holds_its_own_familys_kernels_only():
+    """No sm80 code in an sm90 module: a tile the Hopper backward does not take is a forward-only variant (the
+    registry gives an untuned kernel another variant's backward, a module of its own), and nothing in the family
+    reaches into the sm80 family's folder."""
     config = KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 128, 12, 2))
     assert not kernels.backward_problems(config)
     wide = KernelConfig(128, "bf16", "sm_90a", TileConfig(128, 160, 12, 2))
-    assert any("multiple of 64" in p for p in kernels.backward_problems(wide))  # a forward-only candidate
-    # d256: the Hopper backward (split columns) at block_n 64 only; the sm80 family has none at d256
+    assert any("takes block_n 128" in p for p in kernels.backward_problems(wide))  # a forward-only candidate
+    # d256: the Hopper backward (split columns) at block_n 64
     assert not kernels.backward_problems(KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256)))
+    family = kernels.FAMILIES["sm90"]
+    assert all("sm80" not in str(d) for d in (*family.template_dirs, *family.include_dirs))
+    sources = codegen.render(RULES, wide)
+    for text in sources.values():
+        assert "omnigen/sm80/" not in text and "dkdv_kernel(const" not in text and "dq_kernel(const" not in text
 
 
 @pytest.mark.parametrize("head_dim,block_n,dtype", [(64, 176, "bf16"), (128, 128, "fp16"), (256, 64, "bf16")])
@@ -135,14 +144,17 @@ def test_persistent_scheduling_is_an_option(persistent):
                          [(128, 128, True), (64, 128, True), (128, 96, False), (256, 64, True)])
 def test_the_hopper_backward_takes_128_keys_at_d64_d128_and_64_at_d256(head_dim, block_n, hopper):
     config = KernelConfig(head_dim, "bf16", "sm_90a", TileConfig(128, block_n, 12, 2))
-    problems = resources.Resources(config).hopper_backward_problems()
+    problems = resources.Resources(config).backward_problems()
     assert (not problems) == hopper
     if not hopper:
         assert any(word in " ".join(problems) for word in ("head dims", "block_n", "split_columns"))
-    backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
+    sources = codegen.render(RULES, config)
+    backward = sources[codegen.source_names(RULES, config)["backward"]]
     assert ("hopper_dkdv_kernel" in backward) == hopper
-    # The carried sm80 backward is always there under its own entry point; backward_launch picks.
-    assert "int sm80_backward_launch(" in backward and "int backward_launch(" in backward
+    # Delta and the launch entry points either way; without the kernel, backward_launch says why.
+    assert "int backward_launch(" in backward and "launch_delta<__nv_bfloat16" in backward
+    binding = sources[codegen.source_names(RULES, config)["binding"]]
+    assert f"constexpr bool kHasBackward = {'true' if hopper else 'false'};" in binding
     if hopper:  # its shared memory figure is the resource model's, and fits the GPU
         assert f"sizeof(SharedStorage) == {resources.Resources(config).hopper_shared_storage_bytes}" in backward
         assert resources.Resources(config).hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
@@ -155,7 +167,7 @@ def test_d256_trains_on_the_hopper_backward_with_split_columns(split):
     config = hopper(256, split_columns=split)
     r = resources.Resources(config)
     assert r.hopper_split_columns
-    assert (not r.hopper_backward_problems()) == split and (not r.backward_problems()) == split
+    assert (not r.backward_problems()) == split
     assert kernels.backward_problems(config) == r.backward_problems()
     sources = codegen.render(RULES, config)
     names = codegen.source_names(RULES, config)
@@ -170,11 +182,11 @@ def test_d256_trains_on_the_hopper_backward_with_split_columns(split):
     for text in ("constexpr bool kSplitColumns = true;", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
                  "wgmma_slice_values(gradient", "omnigen::atomic_add_pair(", "CUtensorMap q, k, v, d_o;"):
         assert text in backward, text
-    # No TMA staging of dQ (no room beside K, V and two stages of Q and dO), and no sm80 kernels (none for d256):
-    # deterministic mode says so instead of running anything.
+    # No TMA staging of dQ (no room beside K, V and two stages of Q and dO), so no ordered dQ either: deterministic
+    # mode says so instead of running anything.
     for text in ("accumulator_map", "reduce_add_box", "dkdv_kernel(const BackwardArgs"):
         assert text not in backward, text
-    assert "deterministic=True runs the sm80 family's backward, which has none for" in backward
+    assert "has no deterministic backward: the head_dim 256 Hopper backward (split columns) adds dQ by" in backward
 
 
 def test_split_columns_leave_the_128_key_kernel_alone():
@@ -187,7 +199,8 @@ def test_split_columns_leave_the_128_key_kernel_alone():
 @pytest.mark.parametrize("ordered", [False, True])
 def test_ordered_dq_is_deterministic_modes_own_kernel_instance(ordered):
     """The ordered_dq option: deterministic mode runs hopper_dkdv_kernel<true> (a writer warp adds dQ in kv-tile
-    order) instead of the carried sm80 backward; the atomic-order instance is the same code either way."""
+    order); off, the module has no deterministic mode and says so. The atomic-order instance is the same code either
+    way."""
     config = hopper(128, ordered_dq=ordered)
     assert resources.Resources(config).hopper_ordered_dq == ordered
     sources = codegen.render(RULES, config)
@@ -196,6 +209,7 @@ def test_ordered_dq_is_deterministic_modes_own_kernel_instance(ordered):
     assert f"constexpr bool kOrderedDq = {'true' if ordered else 'false'};" in binding
     assert "hopper_dkdv_kernel<false><<<" in backward
     assert ("hopper_dkdv_kernel<true><<<" in backward) == ordered
+    assert ("ordered dQ off (ordered_dq=False)" in backward) == (not ordered)
     writer = ordered or resources.Resources(config).hopper_dq_writer  # deterministic mode, or the dq_writer option
     assert ("void write_query_gradient(" in backward) == writer
     # Not with split columns: their dQ goes by per-thread atomics, which no counter orders.
@@ -220,7 +234,13 @@ def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():
     wide = KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 176, 12, 2))
     assert kernels.default_backward(wide) == KernelConfig(64, "bf16", "sm_90a", TileConfig(128, 128, 12, 2))
     d256 = KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))
-    assert kernels.default_backward(d256).kernel_family in ("sm80", "")  # no Hopper backward at d256
+    assert kernels.default_backward(d256) == d256  # split columns
+    # With the Hopper backward off at d256, the registry looks in the arch's other families: sm80's default
+    # variant for the head dim where it has a backward, else none.
+    off = hopper(256, split_columns=False)
+    chosen = kernels.default_backward(off)
+    assert chosen == off or (chosen.family == "sm80" and not kernels.backward_problems(chosen))
+    assert "none in this module" in registry.describe_backward(off)
 
 
 def test_the_hopper_backward_spill_allowance_names_its_kernel():
@@ -274,7 +294,7 @@ def test_a_deeper_backward_ring_per_head_dim(head_dim, stages):
     config = hopper(head_dim)
     r = resources.Resources(config)
     assert r.hopper_stages == stages
-    assert not r.hopper_backward_problems()
+    assert not r.backward_problems()
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert f"constexpr int kStages = {stages};" in backward
     assert f"static_assert(sizeof(SharedStorage) == {r.hopper_shared_storage_bytes}," in backward

@@ -14,6 +14,7 @@ from ..jit.toolchain import (
     visible_gpu_arch,
 )
 from ..kernels import family_of, problems
+from ..kernels.registry import describe_backward
 from ..rules import Rules
 from ..targets import KernelConfig, KernelSpec
 from .app import UserError, cli, user_errors
@@ -309,7 +310,7 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
         click.echo("")
         click.echo(f"{config.label}  ->  module {codegen.module_name(rules, config)}")
         click.echo(f"  sources:   {', '.join(names[role] for role in ('kernel', 'backward', 'binding', 'mask'))}")
-        click.echo(f"  backward:  {family_of(config).describe_backward(config)}")
+        click.echo(f"  backward:  {describe_backward(config)}")
         if toolchain is None:
             continue
         v = cache.variant(rules, config, toolchain)

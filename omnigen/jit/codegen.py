@@ -71,7 +71,7 @@ def template_digest(config: KernelConfig | None = None) -> str:
     if config is None:
         return _digest(template_files(), None)
     family = family_of(config)
-    folders = (*family.template_dirs, *family.borrowed_templates.values(), *family.include_dirs)
+    folders = (*family.template_dirs, *family.include_dirs)
     roots = tuple(d.relative_to(KERNELS_DIR).as_posix() + "/" for d in folders)
     return _digest(template_files(), roots)
 
@@ -128,10 +128,7 @@ def source_names(rules: Rules, config: KernelConfig) -> dict[str, str]:
 @lru_cache(maxsize=None)
 def _environment(family: KernelFamily) -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.ChoiceLoader([
-            jinja2.FileSystemLoader([str(d) for d in family.template_dirs]),
-            jinja2.PrefixLoader({prefix: jinja2.FileSystemLoader(str(d)) for prefix, d in family.borrowed_templates.items()}),
-        ]),
+        loader=jinja2.FileSystemLoader([str(d) for d in family.template_dirs]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,

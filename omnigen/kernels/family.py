@@ -57,11 +57,6 @@ class KernelFamily(ABC):
         return (self.directory / "templates", COMMON_TEMPLATES)
 
     @property
-    def borrowed_templates(self) -> dict[str, Path]:
-        """Other families' template folders this family's templates include by prefix ("sm80/backward.cu.j2")."""
-        return {}
-
-    @property
     def include_dirs(self) -> tuple[Path, ...]:
         return (COMMON_INCLUDE, self.directory / "include")
 
@@ -113,10 +108,11 @@ class KernelFamily(ABC):
         """The tiles the tuner compiles and times for a head dim (the default tile among them)."""
         return self.space.DEFAULT_SPACE.get(head_dim, (self.default_tile(head_dim),))
 
-    def default_backward(self, config: KernelConfig) -> KernelConfig:
-        """The variant an untuned kernel runs its backward with when `config` runs its forward (the
-        same one, unless the family's own backward is not the best it has)."""
-        return config
+    def default_backward(self, config: KernelConfig) -> KernelConfig | None:
+        """The variant of this family an untuned kernel runs its backward with when `config` runs its forward
+        (the same one, unless the family's own backward is not the best it has); None when the family has no
+        backward for it (the registry then looks in the arch's other families)."""
+        return None if self.backward_problems(config) else config
 
     # ---- code generation
 

@@ -40,5 +40,34 @@ def default_tile(arch: str, head_dim: int):
 
 
 def default_backward(config: KernelConfig) -> KernelConfig:
-    """The variant an untuned kernel whose forward is `config` runs its backward with."""
-    return family_of(config).default_backward(config)
+    """The variant an untuned kernel whose forward is `config` runs its backward with: its family's choice, else
+    the default variant of another family that builds for the arch (sm_90a: sm80's, a module of its own) where that
+    one has a backward; else `config` itself (which then has none)."""
+    family = family_of(config)
+    chosen = family.default_backward(config)
+    if chosen is not None:
+        return chosen
+    arch = ARCH_TABLE[config.arch]
+    for name in (arch.family, *arch.other_families):
+        if name == family.name:
+            continue
+        other = FAMILIES[name]
+        fallback = KernelConfig(config.head_dim, config.dtype, config.arch, other.default_tile(config.head_dim),
+                                kernel_family="" if name == arch.family else name)
+        if problems(fallback):
+            continue
+        chosen = other.default_backward(fallback)
+        if chosen is not None and not problems(chosen):
+            return chosen
+    return config
+
+
+def describe_backward(config: KernelConfig) -> str:
+    """One line for `omnigen inspect`: which kernels run this variant's backward, in both dQ modes (and, where its
+    module has none, which variant an untuned kernel trains with)."""
+    text = family_of(config).describe_backward(config)
+    if backward_problems(config):
+        other = default_backward(config)
+        if other != config:
+            text += f"; an untuned kernel trains with {other.label}'s"
+    return text

@@ -1,4 +1,5 @@
-"""The sm80 family: mma.sync, ldmatrix and cp.async (Ampere, Ada, and Hopper until sm90 serves it).
+"""The sm80 family: mma.sync, ldmatrix and cp.async (Ampere and Ada; on Hopper, sm_90 and the sm_90a variants the
+sm90 family has no backward for).
 
 `resources` says which variants fit, `space` which tiles the tuner tries; templates/ and
 include/omnigen/sm80/ hold the CUDA. A built module is launched through the shared binding (kernels/launch.py).
@@ -28,7 +29,6 @@ class Sm80Family(KernelFamily):
         problem = ((f"this variant ({config.label}) has no backward kernel: " + "; ".join(backward_problems)).replace('"', "'")
                    if backward_problems else "")
         return {
-            "backward_entry": "backward_launch",  # the sm90 family's modules carry this backward under another name
             "warps": t.warps,
             "stages": t.stages,
             "shared_bytes": r.shared_memory_bytes,
@@ -39,12 +39,12 @@ class Sm80Family(KernelFamily):
                 f"{t.block_m // t.warps} rows x {config.head_dim} outputs per warp (ptxas spills)."
             ),
             # mma_backward: this template renders its backward kernels; backward_supported: the module has a
-            # backward (the binding's flag). They differ only in sm90 modules, which carry this backward.
+            # backward (the binding's flag).
             "mma_backward": not backward_problems,
             "backward_supported": not backward_problems,
             "mma_backward_problem": problem,
             "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
-            "grouped_heads": False,  # GQA: dK/dV partials per query head (the sm90 family's may sum them itself)
+            "grouped_heads": False,  # GQA: dK/dV partials per query head, summed by the caller
             "persistent": False,  # the forward: one CTA per tile (the sm90 family's may loop over tiles)
             "partial_bits": False,  # partial tiles: the rules evaluated in the kernel (the sm90 forward reads bits)
             "backward_problem": problem,

@@ -31,8 +31,8 @@ class HopperOptions(KernelOptions):
     # dQ by vector atomics ("First GPU run of the switched kernels"). Off: no backward at d256.
     split_columns: bool = True
     # Deterministic mode on the Hopper kernel: dQ added by TMA reduce-add in kv-tile order (a per-(batch, head,
-    # 64 rows) counter); off, deterministic mode runs the carried sm80 backward ("Deterministic mode: the ordered
-    # grid in sections of heads").
+    # 64 rows) counter); off, the module has no deterministic mode ("Deterministic mode: the ordered grid in
+    # sections of heads").
     ordered_dq: bool = True
     # The ordered grid in sections of this many (head, batch) pairs at head dim 128, kv-tiles slowest inside each,
     # scaled by (128 / head_dim)^2; 0: one section ("Deterministic mode: the descending walk with small sections").

@@ -3,8 +3,9 @@
 A CTA is three warpgroups: one producer (TMA copies; its registers shrink to PRODUCER_REGISTERS) and
 two consumers of 64 query rows each (their registers grow to CONSUMER_REGISTERS), so block_m is 128
 and warps 12. Shared memory holds Q, `stages` K and V tiles (each in boxes of 64 head-dim columns,
-1024-byte aligned) and the mbarriers. The module's backward is the sm80 family's (mma.sync) for the
-same block_m x block_n until the Hopper backward exists: its limits come from sm80's model.
+1024-byte aligned) and the mbarriers. The module's backward is the Hopper dK/dV kernel, for the tiles
+it takes (HOPPER_BACKWARD_BLOCK_N); a variant with another tile has a forward only, and an untuned kernel
+trains with another variant's backward (omnigen.kernels.default_backward).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...targets import ARCH_TABLE, KernelConfig, TileConfig
-from ..sm80.resources import Resources as Sm80Resources
-from ..sm80.resources import excess_spill_bytes as sm80_excess_spill_bytes
 from .options import HopperOptions
 
 BLOCK_M = 128
@@ -60,11 +59,9 @@ HOPPER_BACKWARD_SPILL_ALLOWANCE = 128
 
 
 def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
-    """Spills of the Hopper kernels beyond their allowances; the carried sm80 backward keeps sm80's."""
+    """Spills of the Hopper kernels beyond their allowances (Delta's: none)."""
     allowance = (FORWARD_SPILL_ALLOWANCE if "forward_kernel" in kernel_name else
-                 HOPPER_BACKWARD_SPILL_ALLOWANCE if "hopper_dkdv_kernel" in kernel_name else None)
-    if allowance is None:
-        return sm80_excess_spill_bytes(kernel_name, figures)
+                 HOPPER_BACKWARD_SPILL_ALLOWANCE if "hopper_dkdv_kernel" in kernel_name else 0)
     stores, loads = figures.get("spill_store_bytes", 0), figures.get("spill_load_bytes", 0)
     return 0 if max(stores, loads) <= allowance else stores + loads
 
@@ -110,7 +107,7 @@ class Resources:
     def hopper_tma_dq(self) -> bool:
         """Whether the module's Hopper backward adds dQ by TMA reduce-add from staged boxes (not with split
         columns: their dQ goes by per-thread atomics) -- what ordered dQ and the writer warp build on."""
-        return not self.hopper_split_columns and not self.hopper_backward_problems()
+        return not self.hopper_split_columns and not self.backward_problems()
 
     @property
     def hopper_ordered_dq(self) -> bool:
@@ -164,8 +161,8 @@ class Resources:
         """The Hopper backward's Q/dO ring depth: the backward_stages option, else the head dim's default."""
         return self.options.backward_stages or BACKWARD_STAGES_BY_HEAD_DIM.get(self.config.head_dim, HOPPER_STAGES)
 
-    def hopper_backward_problems(self) -> list[str]:
-        """Why the module's backward is not the Hopper kernel (it then runs the sm80 one it carries)."""
+    def backward_problems(self) -> list[str]:
+        """Why the module has no backward: the Hopper kernel does not take its tile (or its options)."""
         c, t = self.config, self.config.tile
         out = []
         block_n = HOPPER_BACKWARD_BLOCK_N.get(c.head_dim)
@@ -182,17 +179,14 @@ class Resources:
             out.append(f"the Hopper backward needs {self.hopper_shared_storage_bytes + 1024} bytes of shared memory")
         return out
 
-    def sm80_backward_config(self) -> KernelConfig:
-        """The sm80 variant whose backward kernels this module carries (same plan tile)."""
-        t = self.config.tile
-        c = self.config
-        return KernelConfig(c.head_dim, c.dtype, c.arch, TileConfig(t.block_m, t.block_n, 8, 2), kernel_family="sm80")
-
-    def backward_problems(self) -> list[str]:
-        """Why the module has no backward at all: neither the Hopper kernel nor the carried sm80 one takes it."""
-        if not self.hopper_backward_problems():
-            return []
-        return Sm80Resources(self.sm80_backward_config()).backward_problems()
+    def deterministic_problems(self) -> list[str]:
+        """Why the module has no deterministic mode: no backward, or one that adds dQ in no fixed order."""
+        if self.backward_problems() or self.hopper_ordered_dq:
+            return self.backward_problems()
+        if self.hopper_split_columns:
+            return [f"the head_dim {self.config.head_dim} Hopper backward (split columns) adds dQ by per-thread atomics, "
+                    "in no fixed order"]
+        return ["this variant's options turn ordered dQ off (ordered_dq=False): its dQ is added in no fixed order"]
 
     def problems(self) -> list[str]:
         out = self.config.identity_problems()

@@ -10,8 +10,8 @@ def _tiles(*shapes: tuple[int, int]) -> tuple[TileConfig, ...]:
 
 
 # Wider kv-tiles amortise each step's fixed costs (barrier waits, row max, rescale) over more keys, as
-# far as the consumer's registers allow (resources.MAX_TILE_REGISTERS); the power-of-two shapes are the
-# ones whose modules also carry the sm80 backward (it takes block_n of 16, 32 or a multiple of 64).
+# far as the consumer's registers allow (resources.MAX_TILE_REGISTERS). The tiles the Hopper backward takes
+# (block_n 128 at d64 and d128, 64 at d256) are the candidates with a backward; the others are forward-only.
 DEFAULT_SPACE: dict[int, tuple[TileConfig, ...]] = {
     64: _tiles((128, 2), (176, 2), (192, 2), (128, 3)),
     128: _tiles((128, 2), (160, 2), (96, 2), (64, 2)),

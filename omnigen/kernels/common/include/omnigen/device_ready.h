@@ -18,7 +18,8 @@ struct ModuleFacts {
 
 constexpr int kMaxDevices = 64;
 
-inline int report_failure(cudaError_t status, char* message, int message_size, const char* what) {
+// A failed CUDA call as the module's error: "what: the error's text (its name)" into message; the status as an int.
+inline int fail(cudaError_t status, char* message, int message_size, const char* what) {
   snprintf(message, message_size, "%s: %s (%s)", what, cudaGetErrorString(status), cudaGetErrorName(status));
   return int(status);
 }
@@ -40,7 +41,7 @@ int ready_device(Kernel* kernel, int shared_bytes, const ModuleFacts& facts, int
   }
   int device = 0;
   status = cudaGetDevice(&device);
-  if (status != cudaSuccess) return report_failure(status, message, message_size, "cudaGetDevice");
+  if (status != cudaSuccess) return fail(status, message, message_size, "cudaGetDevice");
   if (device < kMaxDevices && ready[device]) return 0;
 
   cudaFuncAttributes attributes;
@@ -68,7 +69,7 @@ int ready_device(Kernel* kernel, int shared_bytes, const ModuleFacts& facts, int
   }
   // Above 48 KiB, dynamic shared memory must be asked for explicitly, once per device.
   status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
-  if (status != cudaSuccess) return report_failure(status, message, message_size, "cudaFuncSetAttribute");
+  if (status != cudaSuccess) return fail(status, message, message_size, "cudaFuncSetAttribute");
   if (device < kMaxDevices) ready[device] = 1;
   return 0;
 }
