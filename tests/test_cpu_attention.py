@@ -45,7 +45,8 @@ def poisoned():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu, "_empty", lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+        allocate = cpu._empty
+        patch.setattr(cpu, "_empty", lambda *shape, dtype: allocate(*shape, dtype=dtype).fill_(float("nan")))
         yield
     torch.set_num_threads(threads)
 

@@ -5,7 +5,7 @@ it is plain PyTorch, a Python loop over q-tiles. It walks a mask's forward sched
 empty tiles are never visited, full tiles get no mask work, causal tiles one compare, partial tiles the
 rules' predicate (`omnigen.semantics.tile_predicate`) -- and keeps memory at O(S * D) plus a bounded chunk of
 scores: per q-tile an online softmax over its kv-tiles, never an S x S tensor. Consecutive kv-tiles of one
-kind are taken as one span (up to `CHUNK_ELEMENTS` scores at a time), which is where a CPU's time goes best:
+kind are taken as one span (up to `CHUNK_ELEMENTS` scores at a time), which suits a CPU best:
 fewer, larger matrix products.
 
 Accumulation is in float32 (float64 for float64 inputs); the outputs come back in the inputs' dtype, the
@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..kernels import heads_inner
 from ..semantics import CAUSAL, FULL, SCHEDULE_KINDS, rule_tensors, tile_predicate
 
 # The dtypes this path takes; the kernels take only the half-precision ones.
@@ -94,7 +95,10 @@ class _Masker:
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """An output buffer whose every element the walk writes (tests fill it with NaN to prove that)."""
+    """An output buffer whose every element the walk writes (tests fill it with NaN to prove that). [B, H, S, D]
+    ones in the ops' output layout (`heads_inner`), so the op returns them without another copy."""
+    if len(shape) == 4:
+        return heads_inner(*shape, dtype=dtype, device=torch.device("cpu"))
     return torch.empty(*shape, dtype=dtype)
 
 
@@ -143,15 +147,14 @@ def forward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def backward(rules: Any, schedules: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, d_out: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous, in the inputs' dtypes: the same walk as `forward`, each span's probabilities
+    """(dq, dk, dv) in the inputs' dtypes: the same walk as `forward`, each span's probabilities
     recomputed from `lse` (no stored attention matrix); rows of lse -inf get zero gradients."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     acc = _accumulator(q.dtype)
     qc, kc, vc = (t.detach().to(acc) for t in (q, k, v))
     dq = _empty(B, Hq, S, D, dtype=acc)
-    dk = torch.zeros(B, Hkv, S, D, dtype=acc)
-    dv = torch.zeros(B, Hkv, S, D, dtype=acc)
+    dk, dv = (_empty(B, Hkv, S, D, dtype=acc).zero_() for _ in range(2))  # accumulated span by span
     masker = _Masker(rules, schedules)
     with torch.no_grad():
         for b, r0, r1, spans in _rows(schedules, Hq):
