@@ -151,3 +151,25 @@ def test_summary_checks_its_arguments():
         summarize(EXAMPLES["transfusion"], "text:10", block_m=20)
     with pytest.raises(ValueError, match="video"):
         summarize(EXAMPLES["transfusion"], "video:10")
+
+
+def test_png_tile_panel_is_downsampled_not_the_plan():
+    """`show --png` draws at most PNG_PIXELS cells a side (a million tokens in 128 x 128 tiles would be an
+    8192 x 8192 image, GBs inside matplotlib); the counts in its legend are the whole plan's."""
+    pytest.importorskip("matplotlib")
+    from omnigen import figures
+
+    rule_set = EXAMPLES["transfusion"]
+    layout = omnigen.Layout.parse("text:150000 image:50000")  # 1563 x 1563 tiles of 128 x 128
+    summary = summarize(rule_set, layout)
+    fig = figures.mask_figure(rule_set, layout, summary)
+    try:
+        (image,) = fig.axes[0].get_images()
+        assert image.get_array().shape == (782, 782)  # 2 x 2 tiles a pixel
+        labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        assert f"full ({summary.counts()['full']})" in labels
+        assert "several kinds (a pixel: 2x2 tiles)" in labels
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
