@@ -125,13 +125,18 @@ def compile_variant(rules_name: str, config: KernelConfig, sass: bool, keep: Pat
             (work / name).write_text(text)
         flags = [f for f in toolchain.nvcc_flags(config) if not f.startswith("-Xcompiler")]
         flags = [f.replace("-Xptxas=-v,-warn-spills,-warn-lmem-usage", "-Xptxas=-v") for f in flags]
-        cubin = work / "kernel.cubin"
-        command = ["nvcc", *flags, "-cubin", "-o", str(cubin), *("-I" + str(d) for d in family_of(config).include_dirs),
-                   "-I" + str(work), str(work / names["kernel"])]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{rules_name} {config.label}:\n{result.stdout}{result.stderr}")
-        report = toolchain.ptxas_report(result.stdout + result.stderr)
+        output = ""
+        cubins = []
+        for role in ("kernel", "backward"):  # one translation unit per pass
+            cubin = work / f"{role}.cubin"
+            command = ["nvcc", *flags, "-cubin", "-o", str(cubin), *("-I" + str(d) for d in family_of(config).include_dirs),
+                       "-I" + str(work), str(work / names[role])]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{rules_name} {config.label}:\n{result.stdout}{result.stderr}")
+            output += result.stdout + result.stderr
+            cubins.append(cubin)
+        report = toolchain.ptxas_report(output)
         kernels = {}
         for name, figures in report.get("kernels", {}).items():
             short = SHORT_KERNEL.search(name)
@@ -141,10 +146,11 @@ def compile_variant(rules_name: str, config: KernelConfig, sass: bool, keep: Pat
                  "smem": {"forward_kernel": context.get("shared_bytes"), "dkdv_kernel": context.get("bwd_shared_bytes"),
                           "dq_kernel": context.get("dq_shared_bytes")}}
         if sass:
-            entry["sass"] = sass_counts(cubin)
+            entry["sass"] = {kernel: counts for cubin in cubins for kernel, counts in sass_counts(cubin).items()}
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
-            shutil.copy(cubin, keep / f"{rules_name}_{config.label}.cubin")
+            for cubin in cubins:
+                shutil.copy(cubin, keep / f"{rules_name}_{config.label}_{cubin.stem}.cubin")
         return entry
 
 

@@ -2,7 +2,8 @@
 
 The fake compiler writes its -o output, prints a ptxas-style report, and fails with an nvcc-style
 error when a source contains PLANTED_FAILURE. A source containing PLANTED_SPILL gets a report in
-which its forward kernel spills 16 bytes. The built ".so" files cannot be imported: this is for
+which its forward kernel spills 96 bytes. A backward kernel file (one object of its own) reports dkdv_kernel, any
+other source forward_kernel. The built ".so" files cannot be imported: this is for
 testing builds, failures, pruning and the CLI, not kernels.
 """
 
@@ -22,6 +23,7 @@ for a in "$@"; do
   prev="$a"
 done
 spill=0
+backward=0
 for a in "$@"; do
   case "$a" in
     *.cu|*.cpp)
@@ -29,15 +31,21 @@ for a in "$@"; do
       if grep -q PLANTED_SPILL "$a"; then spill=96; fi
       ;;
   esac
+  case "$a" in *_backward.cu) backward=1 ;; esac
 done
+if [ "$backward" = 1 ]; then
 cat <<EOF
 ptxas info    : Function properties for _ZN4test11dkdv_kernelEv
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 200 registers, used 1 barriers
+EOF
+else
+cat <<EOF
 ptxas info    : Function properties for _ZN4test14forward_kernelEv
     0 bytes stack frame, $spill bytes spill stores, $spill bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers
 EOF
+fi
 printf 'not a real extension' > "$out"
 """
 

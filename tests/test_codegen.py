@@ -239,17 +239,20 @@ def test_backward_is_rendered_next_to_the_forward():
     names = codegen.source_names(rules, CONFIG)
     assert names["backward"] == "transfusion_bf16_d128_m128n64w4s2_sm_80_backward.cu" and names["backward"] in files
     backward = files[names["backward"]]
-    # One nvcc run per variant: the forward's kernel file includes the backward's.
-    assert f'#include "{names["backward"]}"' in files[names["kernel"]]
+    # One translation unit per pass: neither kernel file includes the other; both include the variant's shared header.
+    assert f'#include "{names["backward"]}"' not in files[names["kernel"]]
+    for role in ("kernel", "backward"):
+        assert f'#include "{names["shared"]}"' in files[names[role]], role
     for text in ("__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel", "dq_kernel", "delta_kernel",
                  "// Full path: no mask work.", "// Causal path: one compare per score.",
                  "// Partial path: the generated predicate.", "mask_key_rows<kind>(", "mask_query_rows<kind>(", "Mma::run",
                  "omnigen::atomic_add_pair", f"static_assert(kDkdvSharedBytes == {Resources(CONFIG).backward_shared_bytes}",
                  f"static_assert(kDqSharedBytes == {Resources(CONFIG).dq_shared_bytes}"):
         assert text in backward, text
-    # The masks of both layouts (rows queries, rows keys) are rendered once, into the forward's file (same translation unit).
+    # The masks of both layouts (rows queries, rows keys) are rendered once, into the shared header.
     for text in ("void mask_query_rows(", "void mask_key_rows(", "allowed(rule", "row_rule("):
-        assert text in files[names["kernel"]], text
+        assert text in files[names["shared"]], text
+    assert "#pragma once" in files[names["shared"]]
     assert "#define" not in backward
     binding = files[names["binding"]]
     for text in ('m.def("backward"', 'm.def("backward_delta"', 'm.attr("HAS_BACKWARD")', 'm.attr("BACKWARD_CONFIG")',

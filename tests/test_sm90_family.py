@@ -106,7 +106,7 @@ def test_rendered_forward_reads_like_the_plan(head_dim, block_n, dtype):
     assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{wgmma}.{wgmma}" in forward  # O += P V
     for text in ("sm90::load_box", "sm90::grow_registers", "TileKind::kFull", "TileKind::kCausal", "TileKind::kPartial",
                  f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}",
-                 "#include \"" + codegen.source_names(RULES, config)["backward"] + "\""):
+                 "#include \"" + codegen.source_names(RULES, config)["shared"] + "\""):
         assert text in forward, text
     assert "#define" not in forward
     binding = files[codegen.source_names(RULES, config)["binding"]]

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Iterator
 from ..version import __version__
 from .toolchain import (
     BuildError, Toolchain, find_toolchain, find_torch_build, flags_fingerprint, host_library_flags, host_library_ninja,
-    kernel_log, module_ninja, ptxas_report, run_ninja, top_ninja,
+    kernel_log_text, module_ninja, ptxas_report, run_ninja, top_ninja,
 )
 from ..rules import Rules
 from ..targets import KernelConfig
@@ -274,7 +274,7 @@ def _write_build_dir(v: Variant, build_dir: Path) -> Path:
 def _install(v: Variant, build_dir: Path, seconds: float) -> dict:
     """Fingerprint the built extension, write meta.json last, and move the directory into place."""
     extension = build_dir / v.extension_file
-    log = kernel_log(build_dir, v.stem)
+    log = kernel_log_text(build_dir, v.stem)
     meta = {
         "format": META_FORMAT,
         "key": v.key,
@@ -290,7 +290,7 @@ def _install(v: Variant, build_dir: Path, seconds: float) -> dict:
         "omnigen_version": __version__,
         "toolchain": v.toolchain.fingerprint(),
         "flags": flags_fingerprint(v.config),
-        "ptxas": ptxas_report(log.read_text()) if log.is_file() else {},
+        "ptxas": ptxas_report(log) if log else {},
         "build_seconds": round(seconds, 2),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

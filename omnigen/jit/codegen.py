@@ -1,11 +1,13 @@
 """Code generation: (rules, kernel config) -> CUDA / C++ sources, as text. Pure: no writes, no subprocesses.
 
-Every variant renders three files from the Jinja templates in ``omnigen/kernels/`` (a family's own templates, then the shared ones):
+Every variant renders these files from the Jinja templates in ``omnigen/kernels/`` (a family's own templates, then the
+shared ones):
 
     <rules>_mask.cuh                     the rules as constants and the partial-tile predicate
-    <rules>_<dtype>_d<D>_<tile>_<arch>.cu           the forward kernel and its launcher
-    <rules>_<dtype>_d<D>_<tile>_<arch>_backward.cu  the backward kernels (dK/dV, dQ, Delta) and their launcher;
-                                                    the forward file includes it (one nvcc run per variant)
+    <rules>_<dtype>_d<D>_<tile>_<arch>_shared.cuh   what the variant's two kernel files share (both include it)
+    <rules>_<dtype>_d<D>_<tile>_<arch>.cu           the forward kernel and its launcher (one object file)
+    <rules>_<dtype>_d<D>_<tile>_<arch>_backward.cu  the backward kernels (dK/dV, dQ, Delta) and their launchers
+                                                    (another object file, compiled beside the forward's)
     <rules>_<dtype>_d<D>_<tile>_<arch>_binding.cpp  the pybind11 module (no CUDA or torch headers)
 
 The Python module is called ``<rules>_<dtype>_d<D>_<tile>_<arch>_<hash>``, the hash covering the
@@ -117,8 +119,8 @@ def module_name(rules: Rules, config: KernelConfig) -> str:
 
 def source_names(rules: Rules, config: KernelConfig) -> dict[str, str]:
     stem = variant_stem(rules, config)
-    return {"mask": f"{rules.name}_mask.cuh", "kernel": f"{stem}.cu", "backward": f"{stem}_backward.cu",
-            "binding": f"{stem}_binding.cpp"}
+    return {"mask": f"{rules.name}_mask.cuh", "shared": f"{stem}_shared.cuh", "kernel": f"{stem}.cu",
+            "backward": f"{stem}_backward.cu", "binding": f"{stem}_binding.cpp"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,6 +210,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         "namespace": module,
         "kernel_file": names["kernel"],
         "backward_file": names["backward"],
+        "shared_file": names["shared"],
         "mask_header": names["mask"],
         "modalities": modalities,
         "pad_id": rules.pad_id,
@@ -234,6 +237,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
     kernel_context = dict(context, header=_header(rules, config, module), namespace=mask_context["namespace"])
     return {
         names["mask"]: env.get_template("mask.cuh.j2").render(mask_context),
+        names["shared"]: env.get_template(family.sources["shared"]).render(kernel_context),
         names["kernel"]: env.get_template(family.sources["kernel"]).render(kernel_context),
         names["backward"]: env.get_template(family.sources["backward"]).render(kernel_context),
         names["binding"]: env.get_template("binding.cpp.j2").render(dict(context, header=_header(rules, config, module))),

@@ -285,14 +285,17 @@ def _quote(args: Iterable[str]) -> str:
 
 def module_ninja(build_dir: Path, module: str, rules_name: str, config: KernelConfig, toolchain: Toolchain,
                  stem: str) -> str:
-    """build.ninja for one module in `build_dir`: compile the kernel and the binding, link the extension.
+    """build.ninja for one module in `build_dir`: compile the forward and the backward kernel files (one object
+    each: one pass per translation unit, sharing the variant's headers) and the binding, link the extension.
 
     Paths are absolute, so the file works both alone (ninja -C build_dir) and as a subninja.
     Each compile writes its output to <object>.log (ptxas's report included) and prints it only on failure.
     """
     kernel = build_dir / f"{stem}.cu"
+    backward = build_dir / f"{stem}_backward.cu"
     binding = build_dir / f"{stem}_binding.cpp"
     kernel_object = build_dir / f"{stem}.cu.o"
+    backward_object = build_dir / f"{stem}_backward.cu.o"
     binding_object = build_dir / f"{stem}_binding.o"
     extension = build_dir / f"{module}{toolchain.ext_suffix}"
     includes = ["-I" + str(d) for d in family_of(config).include_dirs] + ["-I" + str(build_dir)]
@@ -315,8 +318,9 @@ def module_ninja(build_dir: Path, module: str, rules_name: str, config: KernelCo
         f"  command = $nvcc_{stem} {_quote(LINK_FLAGS)} $in -o $out",
         f"  description = link {module}",
         f"build {e(kernel_object)}: nvcc_{stem} {e(kernel)}",
+        f"build {e(backward_object)}: nvcc_{stem} {e(backward)}",
         f"build {e(binding_object)}: cxx_{stem} {e(binding)}",
-        f"build {e(extension)}: link_{stem} {e(kernel_object)} {e(binding_object)}",
+        f"build {e(extension)}: link_{stem} {e(kernel_object)} {e(backward_object)} {e(binding_object)}",
         f"build {stem}: phony {e(extension)}",
         "",
     ]
@@ -470,8 +474,14 @@ def ptxas_report(log_text: str) -> dict:
     return report
 
 
-def kernel_log(build_dir: Path, stem: str) -> Path:
-    return build_dir / f"{stem}.cu.o.log"
+def kernel_logs(build_dir: Path, stem: str) -> tuple[Path, Path]:
+    """The compile logs (ptxas's report included) of the forward and the backward kernel files."""
+    return build_dir / f"{stem}.cu.o.log", build_dir / f"{stem}_backward.cu.o.log"
+
+
+def kernel_log_text(build_dir: Path, stem: str) -> str:
+    """Both kernel files' compile logs, one after the other ("" for any not there)."""
+    return "".join(log.read_text() for log in kernel_logs(build_dir, stem) if log.is_file())
 
 
 def describe_toolchain(toolchain: Toolchain) -> str:
@@ -481,7 +491,8 @@ def describe_toolchain(toolchain: Toolchain) -> str:
 
 __all__ = [
     "BuildError", "Toolchain", "ToolchainError", "TorchBuild", "check_arch", "default_archs", "find_toolchain",
-    "find_torch_build", "flags_fingerprint", "gencode_flag", "host_library_flags", "host_library_ninja", "kernel_log",
+    "find_torch_build", "flags_fingerprint", "gencode_flag", "host_library_flags", "host_library_ninja", "kernel_log_text",
+    "kernel_logs",
     "max_jobs", "module_ninja", "normalize_arch", "parse_arch_list", "ptxas_report", "run_ninja", "source_names",
     "top_ninja", "visible_gpu_arch",
 ]

@@ -40,7 +40,7 @@ class KernelFamily(ABC):
     `render_context`."""
 
     name: str
-    sources: dict[str, str]  # file role ("kernel", "backward") -> template in the family's templates/
+    sources: dict[str, str]  # file role ("kernel", "backward", "shared") -> template in the family's templates/
     forward_kernel: str  # substrings of the kernels' mangled names in ptxas's report
     backward_kernel: str
     resources: ModuleType

@@ -16,7 +16,7 @@ from . import resources, space
 
 class Sm80Family(KernelFamily):
     name = "sm80"
-    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}
+    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2", "shared": "shared.cuh.j2"}
     forward_kernel = "forward_kernel"
     backward_kernel = "dkdv_kernel"  # the tuned backward (atomic dQ) is this kernel plus the small Delta one
     resources = resources

@@ -20,7 +20,7 @@ from .options import HopperOptions
 
 class Sm90Family(KernelFamily):
     name = "sm90"
-    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2"}
+    sources = {"kernel": "forward.cu.j2", "backward": "backward.cu.j2", "shared": "shared.cuh.j2"}
     forward_kernel = "forward_kernel"
     backward_kernel = "hopper_dkdv_kernel"
     resources = resources
