@@ -59,6 +59,9 @@ class Mask:
     `tile_shapes`, (block_m, block_n) per tile shape flattened; `rules_key`, the rules' identity (`Rules.key`).
     """
 
+    # True for a mask made from data (omnigen.plan.ruleless): its partial tiles exist only as bits, every one of them.
+    ruleless = False
+
     def __init__(self, rules: Rules, layout: AnyLayout, tables: LayoutTables,
                  entries: dict[tuple[int, int], tuple], device: torch.device, fixed: bool) -> None:
         self.rules = rules

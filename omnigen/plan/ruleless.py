@@ -1,0 +1,280 @@
+"""Masks no rule says -- a dense boolean mask, a FlexAttention `mask_mod`, FlashMask's column intervals -- as a `Mask`.
+
+The makers (`from_dense`, `from_mod`, `from_intervals`) classify every tile exactly (empty / full / causal /
+partial, the definition of docs/semantics.md section 5) and hand this module, per tile shape, the kind grid, the
+allowed-pair count and the partial tiles' boolean blocks; `ruleless_mask` turns them into the same `Mask` that
+`omnigen.mask` returns (schedules, partial tiles' bits for both schedules, per-token tables), accepted by
+`omnigen.attention`, the custom op, `torch.compile` and CUDA graphs like any other.
+
+Partial tiles without rules (the design)
+----------------------------------------
+A layout's mask has rules: a kernel can always evaluate a partial tile's predicate from the token tables, and the
+bits (`plan.bits`) are a cache in front of that evaluation -- slots past the capacity fall back to the rules. A
+mask made from data has no predicate the kernels could evaluate, so for it:
+
+1. **Every partial tile has bits, in both schedules.** The capacity is never "auto" or "none": by default it is
+   exactly the number of partial tiles (`partial_bits="exact"`; the mask's tensors then have sizes that depend on the
+   mask, as a mask made from exact plans does); `partial_bits=N` reserves N slots (fixed shapes for CUDA graphs and
+   `torch.compile`: N >= the partial tiles, else a ValueError naming the count), `"all"` one per tile. So a kernel that
+   reads bits (`PARTIAL_BITS`: the sm90 forward and the Hopper backward) finds every partial entry's slot below the
+   capacity (`slot < partial_slots`) and never takes its evaluating branch. The bits are made on every device (the
+   rules-based `make_mask` makes them only where a Hopper kernel reads them): the CPU path and the sm80 family have
+   no other way to know a partial tile.
+2. **The mask says it has no rules, through the op boundary.** It carries `RULELESS_RULES` (a fixed rule set, name
+   `bits_only`), so the op's kernel string is `rules/v2:<RULELESS_RULES.key>` and `is_ruleless(rules)` is what a
+   kernel family, the CPU path or the op's checks ask to know that partial tiles must come from the bits
+   (`mask.ruleless` on the Python side). One kernel module per (head dim, dtype, arch) serves every such mask.
+3. **If something evaluates the rules anyway, it drops keys, it never adds them.** The per-token tables are those of
+   an all-`pad` layout (one pad segment of S tokens per batch element): the rules' predicate is False for every
+   pair, so a path that ignored the bits would give rows of zeros on partial tiles (loud in any test against a
+   reference), never attention to a key the mask hides. Full and causal tiles do not read the tables.
+
+What the op layer needs to add (omnigen/op, not edited here): refuse a ruleless mask on a module whose
+`capabilities(module).partial_bits` is False (sm80 today, sm90 built with `HopperOptions(partial_bits=False)`), with
+a message saying so; the CPU path's masker must read a partial span's tiles from the bits (`tile_bits.unpack` of the
+span's slots, `bits.slot_starts` finds them) when `is_ruleless(rules)`; `omnigen.plan(rules, mask)` should refuse a
+ruleless mask (its layout is the all-pad stand-in) and point at `mask.plan(block_m, block_n)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from ..layout import Layout, LayoutBatch
+from ..rules import Rules
+from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS
+from . import bits
+from .masks import CAPACITY_LIMIT, Mask, _capacity
+from .planners import _check_block
+from .schedule import Plan
+from .tile_bits import pack
+
+# The rule set every mask without rules carries: its key tells the op and the kernels "partial tiles from bits
+# only". One modality that sees all of its own segment and nothing else; the masks' tables are all pad (see above).
+RULELESS_RULES = Rules(name="bits_only", modalities={"token": "full"}, see={"default": "none"})
+RULELESS_KEY = RULELESS_RULES.key  # also keeps the rules registered (rules_for_key) for the process's lifetime
+
+# The choices of `partial_bits` a mask without rules takes (besides a number of slots).
+CAPACITY_CHOICES = ("exact", "all")
+
+
+def is_ruleless(rules: Rules | str) -> bool:
+    """Whether `rules` (or a rules key, as the op receives it) is the stand-in of a mask without rules: partial
+    tiles must come from the mask's bits, never from evaluating the rules."""
+    return (rules if isinstance(rules, str) else rules.key) == RULELESS_KEY
+
+
+@dataclass
+class ShapePlan:
+    """One tile shape of a mask made from data: what a maker found.
+
+    `kinds`: int8 [B, nq, nk] on the planning device; `pairs`: allowed pairs; `partials`: chunks of partial tiles
+    as (batch, q-tile, kv-tile) int64 [n] each and their blocks bool [n, block_m, block_n] (queries x keys; positions
+    past the sequence False), in any order, every partial tile of `kinds` exactly once."""
+
+    block_m: int
+    block_n: int
+    kinds: torch.Tensor
+    pairs: int
+    partials: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+# ---- classification -------------------------------------------------------------------------------------------
+
+
+def kinds_from_counts(allowed: torch.Tensor, above: torch.Tensor, below_missing: torch.Tensor,
+                      area: torch.Tensor) -> torch.Tensor:
+    """int8 kinds from exact per-tile counts (any shape): allowed pairs, allowed pairs above the diagonal (k > q),
+    pairs on or below it that are not allowed, and the tile's pairs inside the sequence. Causal: the tile's mask is
+    exactly k <= q -- nothing above, nothing missing below -- and it is neither empty nor full."""
+    kinds = torch.full(allowed.shape, PARTIAL, dtype=torch.int8, device=allowed.device)
+    kinds = torch.where((above == 0) & (below_missing == 0), torch.tensor(CAUSAL, dtype=torch.int8,
+                                                                         device=allowed.device), kinds)
+    kinds = torch.where(allowed == area, torch.tensor(FULL, dtype=torch.int8, device=allowed.device), kinds)
+    return torch.where(allowed == 0, torch.tensor(EMPTY, dtype=torch.int8, device=allowed.device), kinds)
+
+
+def tile_area(S: int, block_m: int, block_n: int, device: torch.device) -> torch.Tensor:
+    """int64 [nq, nk]: pairs of each tile inside the sequence (tail tiles are smaller)."""
+    rows = (S - torch.arange(0, S, block_m, device=device)).clamp(max=block_m)
+    cols = (S - torch.arange(0, S, block_n, device=device)).clamp(max=block_n)
+    return rows[:, None] * cols[None, :]
+
+
+def lower_counts(S: int, r0: int, r1: int, block_n: int, device: torch.device) -> torch.Tensor:
+    """int64 [nk]: pairs with k <= q of the tiles of rows [r0, r1) (inside the sequence), per kv-tile."""
+    nk = -(-S // block_n)
+    c0 = torch.arange(nk, device=device) * block_n
+    c1 = (c0 + block_n).clamp(max=S)
+    q = torch.arange(r0, r1, device=device)[:, None]
+    # keys of [c0, c1) with k <= q: clamp(q + 1 - c0, 0, c1 - c0), summed over the rows
+    return (q + 1 - c0[None, :]).clamp(min=0).minimum((c1 - c0)[None, :]).sum(0)
+
+
+# Elements of one slab (a block-row of tiles over some batch elements) the slab classifier holds at once.
+SLAB_ELEMENTS = 1 << 24
+
+
+def slab_chunks(B: int, S: int, block_m: int) -> Iterator[tuple[int, int, int]]:
+    """(b0, b1, q-tile) of every block-row of tiles, batch elements grouped so a slab holds <= SLAB_ELEMENTS."""
+    per = max(1, SLAB_ELEMENTS // max(1, block_m * S))
+    for i in range(-(-S // block_m)):
+        for b0 in range(0, B, per):
+            yield b0, min(B, b0 + per), i
+
+
+def classify_slabs(slab, B: int, S: int, block_m: int, block_n: int, device: torch.device) -> ShapePlan:
+    """A ShapePlan from `slab(b0, b1, r0, r1)` -> bool [b1 - b0, r1 - r0, S], the mask's rows [r0, r1) of batch
+    elements b0..b1 (every column): each block-row of tiles read once, counted exactly per tile, its partial tiles'
+    blocks kept (they become bits). Work O(B S^2), memory O(SLAB_ELEMENTS + partial tiles)."""
+    nq, nk = -(-S // block_m), -(-S // block_n)
+    width = nk * block_n
+    kinds = torch.empty(B, nq, nk, dtype=torch.int8, device=device)
+    area = tile_area(S, block_m, block_n, device)
+    pairs = 0
+    partials = []
+    columns = torch.arange(width, device=device)
+    for b0, b1, i in slab_chunks(B, S, block_m):
+        r0, r1 = i * block_m, min(S, (i + 1) * block_m)
+        block = slab(b0, b1, r0, r1)
+        padded = torch.zeros(b1 - b0, block_m, width, dtype=torch.bool, device=device)
+        padded[:, : r1 - r0, :S] = block
+        rows = torch.arange(r0, r0 + block_m, device=device)
+        upper = columns[None, :] > rows[:, None]  # k > q
+        tiles = padded.view(b1 - b0, block_m, nk, block_n)
+        allowed = tiles.sum((1, 3))
+        above = (padded & upper).view_as(tiles).sum((1, 3))
+        lower = lower_counts(S, r0, r1, block_n, device)
+        below_missing = lower[None, :] - (allowed - above)
+        kinds[b0:b1, i] = kinds_from_counts(allowed, above, below_missing, area[i][None, :])
+        pairs += int(allowed.sum())
+        where = (kinds[b0:b1, i] == PARTIAL).nonzero()
+        if where.numel():
+            b, j = where[:, 0], where[:, 1]
+            blocks = tiles[b, :, j]  # [n, block_m, block_n]
+            partials.append((b + b0, torch.full_like(b, i), j, blocks))
+    return ShapePlan(block_m, block_n, kinds, pairs, partials)
+
+
+# ---- schedules and the Mask -----------------------------------------------------------------------------------
+
+
+def grouped(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ptr int32 [3 rows + 1], index int32) of a [rows, cols] kind grid in torch on its device: three groups per row
+    (SCHEDULE_KINDS order), columns ascending -- the plan's CSR (host._grouped, in torch so CUDA grids stay there)."""
+    rows, cols = kinds.shape
+    order = torch.tensor(SCHEDULE_KINDS, dtype=torch.int8, device=kinds.device)
+    member = kinds[:, None, :] == order[None, :, None]  # [rows, group, cols]: entries in memory order
+    ptr = torch.zeros(3 * rows + 1, dtype=torch.int32, device=kinds.device)
+    ptr[1:] = member.sum(2).reshape(-1).cumsum(0)
+    index = (member.reshape(-1).nonzero().squeeze(1) % cols).to(torch.int32)
+    return ptr, index
+
+
+def schedules_from_kinds(kinds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fwd_ptr, fwd_kv, bwd_ptr, bwd_q) of a [B, nq, nk] kind grid (see `Plan`)."""
+    B, nq, nk = kinds.shape
+    fwd_ptr, fwd_kv = grouped(kinds.reshape(B * nq, nk))
+    bwd_ptr, bwd_q = grouped(kinds.transpose(1, 2).reshape(B * nk, nq))
+    return fwd_ptr, fwd_kv, bwd_ptr, bwd_q
+
+
+def capacity_of(choice: int | str, partial: int, B: int, S: int, block_m: int, block_n: int) -> int:
+    """Slots for a mask without rules: every partial tile's, at least (see the module docstring)."""
+    tiles = B * -(-S // block_m) * -(-S // block_n)
+    if choice == "exact":
+        return partial
+    if choice == "all":
+        return tiles
+    if isinstance(choice, bool) or not isinstance(choice, int) or choice < 0:
+        raise ValueError(f"partial_bits must be 'exact' (the default), 'all' or a number of slots, not {choice!r}: a "
+                         "mask without rules needs the bits of every partial tile ('auto' and 'none' leave some to "
+                         "the rules, which it does not have)")
+    if choice < partial:
+        raise ValueError(f"partial_bits={choice}, but this mask has {partial} partial {block_m}x{block_n} tiles, each "
+                         f"of which needs its bits: pass partial_bits >= {partial} (or 'exact')")
+    return min(choice, tiles)
+
+
+def check_capacity_choice(choice: int | str) -> None:
+    """A bad `partial_bits` raises before any planning."""
+    if choice not in CAPACITY_CHOICES:
+        capacity_of(choice, 0, 1, 16, 16, 16)
+
+
+def _slots(shape: ShapePlan, ptr: torch.Tensor, capacity: int, transposed: bool,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot starts, bits) of one schedule (`ptr`: its CSR starts): every partial tile's words in the schedule's
+    order -- rows in order, each row's partial tiles by column -- and zeros after."""
+    grid = shape.kinds.transpose(1, 2) if transposed else shape.kinds  # [B, schedule rows, entries per row]
+    B, rows, cols = grid.shape
+    starts = bits.slot_starts(ptr, B * rows)
+    # The slot of every partial tile of the grid: the partial tiles before it in row-major order.
+    rank = (grid == PARTIAL).reshape(-1).long().cumsum(0) - 1
+    words = bits.slot_words(shape.block_m, shape.block_n, transposed)
+    out = torch.zeros(capacity * words, dtype=torch.int32, device=device)
+    for b, i, j, blocks in shape.partials:
+        b, i, j = (x.to(device) for x in (b, i, j))
+        flat = (b * rows + j) * cols + i if transposed else (b * rows + i) * cols + j
+        out.view(-1, words)[rank[flat]] = pack(blocks.to(device), transposed).view(len(flat), words)
+    return starts, out
+
+
+def ruleless_layout(B: int, S: int, batched: bool) -> Layout | LayoutBatch:
+    """The stand-in layout of a mask without rules: all pad (its rules' predicate allows nothing)."""
+    single = Layout.from_segments([("pad", S)])
+    return LayoutBatch([single] * B) if batched else single
+
+
+def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device: torch.device,
+                  partial_bits: int | str = "exact") -> Mask:
+    """The Mask of a mask without rules from its tile shapes' ShapePlans (see the module docstring)."""
+    layout = ruleless_layout(B, S, batched)
+    tables = layout.tables(RULELESS_RULES, device)
+    entries: dict[tuple[int, int], tuple] = {}
+    fixed = partial_bits != "exact"
+    for shape in shapes:
+        block_m, block_n = shape.block_m, shape.block_n
+        kinds = shape.kinds.to(device)
+        shape.kinds = kinds
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q = schedules_from_kinds(kinds)
+        partial = int((kinds == PARTIAL).sum())
+        capacity = capacity_of(partial_bits, partial, B, S, block_m, block_n)
+        shape.partials = list(shape.partials)  # walked twice: forward and backward slots
+        forward = _slots(shape, fwd_ptr, capacity, False, device)
+        backward = _slots(shape, bwd_ptr, capacity, True, device)
+        plan = Plan(block_m, block_n, B, S, batched, fwd_ptr, fwd_kv, bwd_ptr, bwd_q, shape.pairs, tables,
+                    RULELESS_RULES.mask_hash())
+        tiles = B * -(-S // block_m) * -(-S // block_n)
+        if tiles <= CAPACITY_LIMIT:  # schedule buffers of fixed size, as make_mask keeps them
+            fwd_kv, bwd_q = _capacity(fwd_kv, tiles), _capacity(bwd_q, tiles)
+        else:
+            fixed = False
+        entries[(block_m, block_n)] = (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, *forward, *backward, plan)
+    mask = Mask(RULELESS_RULES, layout, tables, entries, device, fixed)
+    mask.ruleless = True  # (Mask.ruleless is False for masks of a layout)
+    return mask
+
+
+# ---- arguments shared by the makers ---------------------------------------------------------------------------
+
+
+def tile_shapes(S: int, device: torch.device, tiles: Iterable[tuple[int, int]] | None, head_dim: int | None,
+                dtype: torch.dtype | None) -> list[tuple[int, int]]:
+    """The tile shapes to plan: `tiles`, else those kernels may run at this length (as `omnigen.mask` picks them)."""
+    if tiles is None:
+        from ..op.kernel import candidate_tile_shapes  # the op layer knows the kernels' tiles and the tuning database
+
+        tiles = candidate_tile_shapes(RULELESS_RULES, S, device, head_dim, dtype)
+    try:
+        shapes = list(dict.fromkeys((_check_block(m, "block_m"), _check_block(n, "block_n")) for m, n in tiles))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "multiple of 16" in str(exc):
+            raise
+        raise ValueError(f"tiles must be (block_m, block_n) pairs, not {tiles!r}") from None
+    if not shapes:
+        raise ValueError("a mask needs at least one tile shape: tiles=[(128, 128)], or leave tiles out")
+    return shapes
