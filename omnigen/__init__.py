@@ -19,6 +19,9 @@ if _typing.TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .layout import Layout, LayoutBatch, PaddingReport, Segment
     from .op import Kernel, attention, build, mask
     from .plan import CAUSAL, EMPTY, FULL, PARTIAL, Mask, Plan, PlanMemoryError, plan
+    from .plan.from_dense import mask_from_dense
+    from .plan.from_intervals import mask_from_intervals
+    from .plan.from_mod import mask_from_mod
     from .rules import Modality, Rules, RulesError
     from .targets import KernelConfig, KernelSpec, TileConfig
 
@@ -31,6 +34,10 @@ _LAZY = {
     **dict.fromkeys(("Modality", "Rules", "RulesError"), "rules"),
     **dict.fromkeys(("KernelConfig", "KernelSpec", "TileConfig"), "targets"),
     **dict.fromkeys(("Kernel", "attention", "build", "mask"), "op"),  # `mask` the function, not a submodule
+    # masks no rule says (omnigen.plan.ruleless): the same Mask, partial tiles from bits only
+    "mask_from_dense": "plan.from_dense",
+    "mask_from_intervals": "plan.from_intervals",
+    "mask_from_mod": "plan.from_mod",
 }
 
 
@@ -76,5 +83,6 @@ __all__ = [
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
     "InputError", "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Mask",
     "Modality", "PaddingReport", "Plan", "PlanMemoryError", "Rules", "RulesError", "mask",
+    "mask_from_dense", "mask_from_intervals", "mask_from_mod",
     "Segment", "TileConfig", "plan",
 ]

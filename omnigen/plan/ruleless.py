@@ -39,7 +39,7 @@ ruleless mask (its layout is the all-pad stand-in) and point at `mask.plan(block
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -73,13 +73,18 @@ class ShapePlan:
 
     `kinds`: int8 [B, nq, nk] on the planning device; `pairs`: allowed pairs; `partials`: chunks of partial tiles
     as (batch, q-tile, kv-tile) int64 [n] each and their blocks bool [n, block_m, block_n] (queries x keys; positions
-    past the sequence False), in any order, every partial tile of `kinds` exactly once."""
+    past the sequence False), in any order, every partial tile of `kinds` exactly once -- a list, or a function
+    that makes them again on each call (they are walked twice, so a maker that can evaluate them cheaply does not
+    hold every partial tile's block at once)."""
 
     block_m: int
     block_n: int
     kinds: torch.Tensor
     pairs: int
-    partials: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    partials: Iterable[tuple[torch.Tensor, ...]] | Callable[[], Iterable[tuple[torch.Tensor, ...]]]
+
+    def partial_chunks(self) -> Iterable[tuple[torch.Tensor, ...]]:
+        return self.partials() if callable(self.partials) else self.partials
 
 
 # ---- classification -------------------------------------------------------------------------------------------
@@ -216,7 +221,7 @@ def _slots(shape: ShapePlan, ptr: torch.Tensor, capacity: int, transposed: bool,
     rank = (grid == PARTIAL).reshape(-1).long().cumsum(0) - 1
     words = bits.slot_words(shape.block_m, shape.block_n, transposed)
     out = torch.zeros(capacity * words, dtype=torch.int32, device=device)
-    for b, i, j, blocks in shape.partials:
+    for b, i, j, blocks in shape.partial_chunks():
         b, i, j = (x.to(device) for x in (b, i, j))
         flat = (b * rows + j) * cols + i if transposed else (b * rows + i) * cols + j
         out.view(-1, words)[rank[flat]] = pack(blocks.to(device), transposed).view(len(flat), words)
@@ -243,7 +248,8 @@ def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device
         fwd_ptr, fwd_kv, bwd_ptr, bwd_q = schedules_from_kinds(kinds)
         partial = int((kinds == PARTIAL).sum())
         capacity = capacity_of(partial_bits, partial, B, S, block_m, block_n)
-        shape.partials = list(shape.partials)  # walked twice: forward and backward slots
+        if not callable(shape.partials):
+            shape.partials = list(shape.partials)  # walked twice: forward and backward slots
         forward = _slots(shape, fwd_ptr, capacity, False, device)
         backward = _slots(shape, bwd_ptr, capacity, True, device)
         plan = Plan(block_m, block_n, B, S, batched, fwd_ptr, fwd_kv, bwd_ptr, bwd_q, shape.pairs, tables,

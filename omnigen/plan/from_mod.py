@@ -1,0 +1,130 @@
+"""`mask_from_mod`: a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool` as a `Mask`.
+
+The mod is called on index tensors that broadcast against each other -- b [n, 1, 1], q_idx [1, rows, 1],
+kv_idx [1, 1, keys], h a 0-d zero -- one block-row of tiles (a bounded chunk of keys) at a time, never on an S x S
+grid; the block-row is then classified exactly and its partial tiles kept as bits (`omnigen.plan.ruleless`). A mod
+written for FlexAttention works unchanged when it uses tensor operations (FlexAttention vmaps it over scalars;
+here it sees whole blocks), which is what `create_block_mask` needs too.
+
+Masks are the same for every head: a mod that depends on `h` is refused, found by evaluating a sample of positions
+with two heads (a dependence the sample misses goes unnoticed: the mask is made with h = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import InputError, type_name
+from .masks import Mask
+from .planners import _check_device
+from .ruleless import check_capacity_choice, classify_slabs, ruleless_mask, tile_shapes
+
+# Pairs one call of the mod evaluates at most (its temporaries are a few tensors of this many elements).
+EVAL_ELEMENTS = 1 << 22
+# Positions per axis of the sample that checks the mod against two heads.
+HEAD_SAMPLE = 96
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_TENSOR_FIX = ("omnigen calls it on whole blocks of positions at once: b, h, q_idx and kv_idx are int64 tensors that "
+               "broadcast against each other, so write it with tensor operations (torch.where instead of if/else, "
+               "& | ~ instead of and/or/not, q_idx >= kv_idx, indexing a tensor with q_idx)")
+
+
+class _Mod:
+    """The user's mod, called on broadcasting index tensors, its result checked and made a bool block."""
+
+    def __init__(self, mod: MaskMod, device: torch.device) -> None:
+        self.mod, self.device = mod, device
+        self.h = torch.zeros((), dtype=torch.int64, device=device)
+
+    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        shape = torch.broadcast_shapes(b.shape, q.shape, kv.shape)
+        try:
+            out = self.mod(b, self.h if h is None else h, q, kv)
+        except Exception as exc:
+            raise InputError([f"mask_mod failed on index tensors ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); {_TENSOR_FIX}"]) from exc
+        if isinstance(out, bool):
+            return torch.full(shape, out, dtype=torch.bool, device=self.device)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            what = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else type_name(out)
+            raise InputError([f"mask_mod must return a bool tensor (True = may attend), not {what}; "
+                              "e.g. `return q_idx >= kv_idx`, or `(x != 0)` for a 0/1 result"])
+        try:
+            return torch.broadcast_to(out, shape).to(self.device)
+        except RuntimeError:
+            raise InputError([f"mask_mod returned shape {tuple(out.shape)} for index tensors broadcasting to "
+                              f"{tuple(shape)}; {_TENSOR_FIX}"]) from None
+
+
+def _positive(name: str, value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"{name} must be a positive integer, not {value!r}"
+    return None
+
+
+def _check_heads(mod: _Mod, B: int, S: int, device: torch.device) -> None:
+    """A sample of positions evaluated with h = 0 and h = 1: they must agree (masks are head-independent)."""
+    positions = torch.linspace(0, S - 1, min(S, HEAD_SAMPLE), device=device).round().long().unique()
+    b = torch.arange(min(B, 4), device=device)[:, None, None]
+    q, kv = positions[None, :, None], positions[None, None, :]
+    first = mod(b, q, kv)
+    other = mod(b, q, kv, torch.ones((), dtype=torch.int64, device=device))
+    differ = (first != other).nonzero()
+    if differ.numel():
+        bi, qi, ki = differ[0].tolist()
+        raise InputError([f"mask_mod depends on the head h: at b={bi}, q_idx={int(positions[qi])}, "
+                          f"kv_idx={int(positions[ki])} it gives {bool(first[bi, qi, ki])} for h=0 and "
+                          f"{bool(other[bi, qi, ki])} for h=1; an omnigen mask is the same for every head, so make the "
+                          "mod ignore h (or call omnigen.attention once per group of heads, each with its own mask)"])
+
+
+def mask_from_mod(
+    mask_mod: MaskMod,
+    B: int,
+    S: int,
+    device: torch.device | str = "cuda",
+    *,
+    kv_len: int | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    tiles: Iterable[tuple[int, int]] | None = None,
+    partial_bits: int | str = "exact",
+) -> Mask:
+    """A `Mask` from a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx)` over B sequences of S tokens.
+
+    `create_block_mask(mod, B, None, S, S)` becomes `omnigen.mask_from_mod(mod, B, S)`. The mod is evaluated exactly,
+    one block-row of tiles at a time on `device` (never an S x S tensor); tiles are classified exactly and every
+    partial tile's mask kept as bits. `kv_len`: only S (omnigen's masks are square). `tiles`, `head_dim`, `dtype`,
+    `partial_bits`: as for `omnigen.mask_from_dense`."""
+    problems = [p for p in (_positive("B", B), _positive("S", S)) if p]
+    if not callable(mask_mod):
+        problems.append(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, not "
+                        f"{type_name(mask_mod)}")
+    if kv_len is not None and kv_len != S:
+        problems.append(f"kv_len={kv_len!r}, but omnigen masks are square: keys and queries are the same S={S} "
+                        "tokens (leave kv_len out)")
+    if problems:
+        raise InputError(problems)
+    check_capacity_choice(partial_bits)
+    device = _check_device(device)
+    mod = _Mod(mask_mod, device)
+    _check_heads(mod, B, S, device)
+    batches = torch.arange(B, device=device)
+
+    def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
+        out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
+        b = batches[b0:b1, None, None]
+        q = torch.arange(r0, r1, device=device)[None, :, None]
+        keys = max(1, EVAL_ELEMENTS // ((b1 - b0) * (r1 - r0)))
+        for c0 in range(0, S, keys):
+            c1 = min(S, c0 + keys)
+            out[:, :, c0:c1] = mod(b, q, torch.arange(c0, c1, device=device)[None, None, :])
+        return out
+
+    shapes = tile_shapes(S, device, tiles, head_dim, dtype)
+    plans = [classify_slabs(slab, B, S, m, n, device) for m, n in shapes]
+    return ruleless_mask(plans, B, S, True, device, partial_bits)
