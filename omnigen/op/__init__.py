@@ -7,7 +7,8 @@
     out = omnigen.attention(q, k, v, mask)
 
 `library` defines the torch.library ops (`torch.ops.omnigen.attention`, `.attention_backward`),
-`autograd` registers the backward, `checks` the argument checks, `kernel` the user-facing functions.
+`autograd` registers the backward, `checks` the argument checks, `kernel` the user-facing functions, `cpu` what
+the ops run on CPU tensors (a plan-driven PyTorch path, for tests and debugging).
 """
 
 from .kernel import Kernel, attention, build, candidate_tile_shapes, forget_kernels, kernel_for, mask
