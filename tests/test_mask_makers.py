@@ -1,0 +1,366 @@
+"""Masks no rule says (issue 29): mask_from_dense, mask_from_mod, mask_from_intervals (omnigen.plan.ruleless).
+
+Tile kinds exact against the dense definition (hypothesis, random block structure), the mask rebuilt from the
+schedules and bits of both passes equal to the input, the three inputs giving identical schedules and bits for the
+same mask, the bits equal to what the rules-based maker computes for masks rules can say, capacities, errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import omnigen
+from omnigen.plan import bits as rule_bits
+from omnigen.plan.masks import PER_SHAPE
+from omnigen.plan.ruleless import RULELESS_RULES, is_ruleless
+from omnigen.plan.tile_bits import pack, unpack
+from omnigen.reference import tile_kinds_from_mask
+from omnigen.semantics import CAUSAL, FULL, PARTIAL
+
+TILES = [(16, 16), (32, 48), (64, 32)]
+
+
+def _tensors(mask, block_m, block_n):
+    """The eight schedule tensors of one tile shape."""
+    shapes = list(mask.tiles)
+    index = shapes.index((block_m, block_n))
+    return mask.schedules[PER_SHAPE * index : PER_SHAPE * (index + 1)]
+
+
+def _rebuilt(mask, block_m, block_n, transposed=False):
+    """The dense [B, S, S] mask a kernel sees walking one schedule: full tiles all, causal tiles k <= q, partial tiles
+    their bits (every partial entry must have a slot below the capacity), nothing else."""
+    fwd_ptr, fwd_kv, bwd_ptr, bwd_q, slot, words, slot_bwd, words_bwd = _tensors(mask, block_m, block_n)
+    ptr, index = (bwd_ptr, bwd_q) if transposed else (fwd_ptr, fwd_kv)
+    starts, words = (slot_bwd, words_bwd) if transposed else (slot, words)
+    B, S = mask.batch_size, mask.seq_len
+    nq, nk = -(-S // block_m), -(-S // block_n)
+    per_row = nk if transposed else nq
+    tiles = unpack(words, block_m, block_n, transposed)
+    out = torch.zeros(B, nq * block_m, nk * block_n, dtype=torch.bool)
+    positions_q = torch.arange(nq * block_m)
+    positions_k = torch.arange(nk * block_n)
+    for row in range(B * per_row):
+        b, r = divmod(row, per_row)
+        bounds = ptr[3 * row : 3 * row + 4].tolist()
+        for group, kind in enumerate((FULL, CAUSAL, PARTIAL)):
+            for n, other in enumerate(index[bounds[group] : bounds[group + 1]].tolist()):
+                i, j = (other, r) if transposed else (r, other)
+                qs, ks = slice(i * block_m, (i + 1) * block_m), slice(j * block_n, (j + 1) * block_n)
+                if kind == FULL:
+                    out[b, qs, ks] = True
+                elif kind == CAUSAL:
+                    out[b, qs, ks] = positions_k[None, ks] <= positions_q[qs, None]
+                else:
+                    s = int(starts[row]) + n
+                    assert s < tiles.shape[0], "a partial tile without bits"
+                    out[b, qs, ks] = tiles[s]
+    return out[:, :S, :S]
+
+
+def _check_mask(made, dense):
+    """Kinds exact, pairs exact, and both schedules with their bits give back the dense mask."""
+    dense = dense if dense.dim() == 3 else dense[None]
+    assert made.ruleless and is_ruleless(made.rules) and made.rules_key == RULELESS_RULES.key
+    for block_m, block_n in made.tiles:
+        plan = made.plan(block_m, block_n)
+        kinds = plan.kinds if plan.kinds.dim() == 3 else plan.kinds[None]
+        for b in range(dense.shape[0]):
+            assert torch.equal(kinds[b], tile_kinds_from_mask(dense[b], block_m, block_n)), (b, block_m, block_n)
+        assert plan.allowed_pairs == int(dense.sum())
+        for transposed in (False, True):
+            assert torch.equal(_rebuilt(made, block_m, block_n, transposed), dense), (block_m, block_n, transposed)
+    # the tables are all pad: a path that evaluated the rules instead of the bits would allow nothing
+    assert bool((made.token_modality == RULELESS_RULES.pad_id).all())
+
+
+def _same(a, b):
+    assert a.tiles == b.tiles
+    for x, y in zip(a.schedules, b.schedules):
+        assert torch.equal(x, y)
+    for shape in a.tiles:
+        assert a.plan(*shape).allowed_pairs == b.plan(*shape).allowed_pairs
+
+
+# ---- random masks of random block structure --------------------------------------------------------------------
+
+
+@st.composite
+def block_masks(draw):
+    """[B, S, S] masks cut into random blocks (edges anywhere, not on tiles), each all, none, causal or random."""
+    B = draw(st.integers(1, 2))
+    S = draw(st.integers(1, 160))
+    out = torch.zeros(B, S, S, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    for b in range(B):
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(1, S - 1)), max_size=5))) | {0, S})
+        for qa, qb in zip(cuts, cuts[1:]):
+            for ka, kb in zip(cuts, cuts[1:]):
+                kind = draw(st.sampled_from(["all", "none", "none", "causal", "random"]))
+                q = torch.arange(qa, qb)[:, None]
+                k = torch.arange(ka, kb)[None, :]
+                if kind == "all":
+                    out[b, qa:qb, ka:kb] = True
+                elif kind == "causal":
+                    out[b, qa:qb, ka:kb] = k <= q
+                elif kind == "random":
+                    out[b, qa:qb, ka:kb] = torch.rand(qb - qa, kb - ka, generator=gen) < 0.5
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_masks(), st.sampled_from([16, 32, 64]), st.sampled_from([16, 32, 48, 64]))
+def test_dense_kinds_and_bits_are_exact(dense, block_m, block_n):
+    made = omnigen.mask_from_dense(dense, tiles=[(block_m, block_n)])
+    _check_mask(made, dense)
+
+
+@settings(max_examples=25, deadline=None)
+@given(block_masks(), st.sampled_from([(16, 32), (32, 16)]))
+def test_mod_of_a_dense_mask_plans_the_same(dense, tile):
+    B, S = dense.shape[0], dense.shape[-1]
+    from_mod = omnigen.mask_from_mod(lambda b, h, q, k: dense[b, q, k], B, S, device="cpu", tiles=[tile])
+    _same(from_mod, omnigen.mask_from_dense(dense, tiles=[tile]))
+
+
+@st.composite
+def intervals(draw):
+    """FlashMask vectors [B, S]: random intervals (some empty), causal mode or both intervals."""
+    B, S = draw(st.integers(1, 2)), draw(st.integers(1, 150))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+
+    def pair():
+        a, b = torch.randint(0, S + 1, (B, S), generator=gen), torch.randint(0, S + 1, (B, S), generator=gen)
+        if draw(st.booleans()):  # runs of equal values, as real masks have (documents, windows)
+            a, b = a[:, :1].expand(B, S).clone(), b[:, :1].expand(B, S).clone()
+        return torch.minimum(a, b), torch.maximum(a, b)
+
+    lts, lte = pair()
+    uts, ute = pair() if draw(st.booleans()) else (None, None)
+    return lts, lte, uts, ute
+
+
+def _intervals_dense(lts, lte, uts=None, ute=None):
+    S = lts.shape[-1]
+    q, j = torch.arange(S)[None, :, None], torch.arange(S)[None, None, :]
+    hidden = (lts[:, None, :] <= q) & (q < lte[:, None, :])
+    hidden |= (q < j) if uts is None else (uts[:, None, :] <= q) & (q < ute[:, None, :])
+    return ~hidden
+
+
+@settings(max_examples=40, deadline=None)
+@given(intervals(), st.sampled_from([(16, 16), (32, 48), (64, 32)]))
+def test_intervals_are_exact(vectors, tile):
+    dense = _intervals_dense(*vectors)
+    made = omnigen.mask_from_intervals(*vectors, tiles=[tile])
+    _check_mask(made, dense)
+    _same(made, omnigen.mask_from_dense(dense, tiles=[tile]))
+
+
+# ---- named masks: the three inputs agree -------------------------------------------------------------------------
+
+S_NAMED = 200
+
+
+def _documents(S, sizes):
+    doc = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    start = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0)[:-1]))[doc]
+    end = torch.tensor(sizes).cumsum(0)[doc]
+    return doc, start, end
+
+
+def _named():
+    """name -> (mask_mod, dense [1, S, S], intervals or None), one mask each (B = 1, S = S_NAMED)."""
+    S = S_NAMED
+    pos = torch.arange(S)
+    out = {}
+    # causal documents
+    cd_doc, _, cd_end = _documents(S, [37, 64, 50, 49])
+
+    def causal_documents(b, h, q, k):
+        return (cd_doc[q] == cd_doc[k]) & (q >= k)
+
+    out["causal_documents"] = (causal_documents, (cd_end[None], torch.full((1, S), S), None, None))
+    # sliding window of 48 with 5 global tokens (they see and are seen by everything before them)
+    W, G = 48, 5
+
+    def window_global(b, h, q, k):
+        return (q >= k) & ((q - k < W) | (k < G))
+
+    out["window_global"] = (window_global, (torch.where(pos < G, S, (pos + W).clamp(max=S))[None],
+                                            torch.full((1, S), S), None, None))
+    # prefix-LM documents: each document's first 20 tokens see each other, the rest causal
+    doc, start, end = _documents(S, [70, 80, 50])
+    prefix_end = start + 20
+
+    def prefix_documents(b, h, q, k):
+        return (doc[q] == doc[k]) & ((q >= k) | (k < prefix_end[q]))
+
+    upper_end = torch.where(pos < prefix_end, start, pos)
+    out["prefix_documents"] = (prefix_documents, (end[None], torch.full((1, S), S), torch.zeros(1, S, dtype=torch.long),
+                                                  upper_end[None]))
+    # a MEDUSA-like tree: a causal prefix of 120 tokens, then 80 tree nodes seeing the prefix and their ancestors
+    P = 120
+    parent = torch.full((S,), -1)
+    gen = torch.Generator().manual_seed(1)
+    for node in range(P + 1, S):
+        parent[node] = int(torch.randint(P, node, (1,), generator=gen))
+    ancestor = torch.zeros(S, S, dtype=torch.bool)
+    for node in range(P, S):
+        at = node
+        while at >= 0:
+            ancestor[node, at] = True
+            at = int(parent[at])
+
+    def medusa(b, h, q, k):
+        return torch.where(q < P, q >= k, (k < P) | ancestor[q, k])
+
+    out["medusa_tree"] = (medusa, None)
+    # random eviction: key j is dropped from the cache for queries from evict[j] on (causal otherwise)
+    evict = (pos + 1 + torch.randint(0, S, (S,), generator=gen)).clamp(max=S)
+
+    def eviction(b, h, q, k):
+        return (q >= k) & (q < evict[k])
+
+    out["random_eviction"] = (eviction, (evict[None], torch.full((1, S), S), None, None))
+    return out
+
+
+NAMED = _named()
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_three_inputs_give_one_mask(name):
+    mod, vectors = NAMED[name]
+    S = S_NAMED
+    pos = torch.arange(S)
+    dense = mod(torch.zeros((), dtype=torch.long), 0, pos[:, None], pos[None, :])[None]
+    from_dense = omnigen.mask_from_dense(dense, tiles=TILES)
+    _check_mask(from_dense, dense)
+    _same(omnigen.mask_from_mod(mod, 1, S, device="cpu", tiles=TILES), from_dense)
+    if vectors is not None:
+        assert torch.equal(_intervals_dense(*vectors), dense)
+        _same(omnigen.mask_from_intervals(*vectors, tiles=TILES), from_dense)
+    assert from_dense.plan(32, 48).counts()["partial"] > 0
+
+
+@pytest.mark.parametrize("rules_text,segments", [
+    ("name: cd\nmodalities: {text: {self: causal}}", [("text", 37, 0), ("text", 64, 1), ("text", 50, 2), ("text", 49, 3)]),
+    ("name: plm\nmodalities: {prefix: {self: full}, text: {self: causal}}",
+     [("prefix", 20, 0), ("text", 50, 0), ("prefix", 20, 1), ("text", 60, 1), ("prefix", 20, 2), ("text", 30, 2)]),
+])
+def test_bits_equal_the_rules_bits(rules_text, segments):
+    """For a mask rules can say, the schedules equal the rules planner's and the bits equal plan.bits' (the layout
+    the Hopper kernels read), for both schedules."""
+    rules = omnigen.Rules.from_yaml(rules_text)
+    layout = omnigen.Layout.from_segments(segments)
+    dense = rules.dense_mask(layout)
+    made = omnigen.mask_from_dense(dense, tiles=TILES)
+    for block_m, block_n in TILES:
+        p = omnigen.plan(rules, layout, block_m, block_n)
+        fwd_ptr, fwd_kv, bwd_ptr, bwd_q, *slots = _tensors(made, block_m, block_n)
+        for mine, theirs in zip((fwd_ptr, fwd_kv, bwd_ptr, bwd_q), (p.fwd_ptr, p.fwd_kv, p.bwd_ptr, p.bwd_q)):
+            # the mask keeps fwd_kv / bwd_q in buffers of one entry per tile (fixed sizes), zeros past the plan
+            assert torch.equal(mine[: theirs.numel()], theirs) and not mine[theirs.numel():].any()
+        partial = p.counts()["partial"]
+        for transposed, (starts, words) in ((False, slots[:2]), (True, slots[2:])):
+            ptr, index = (p.bwd_ptr, p.bwd_q) if transposed else (p.fwd_ptr, p.fwd_kv)
+            want = rule_bits.partial_bits_reference(rules, p.tables, ptr, index, block_m, block_n, partial, transposed)
+            assert torch.equal(starts, want[0]) and torch.equal(words, want[1])
+
+
+def test_pack_unpack_round_trip():
+    gen = torch.Generator().manual_seed(3)
+    for block_m, block_n in ((16, 16), (64, 176), (128, 128), (32, 256)):
+        tiles = torch.rand(5, block_m, block_n, generator=gen) < 0.5
+        for transposed in (False, True):
+            words = pack(tiles, transposed)
+            assert words.numel() == 5 * rule_bits.slot_words(block_m, block_n, transposed)
+            assert torch.equal(unpack(words, block_m, block_n, transposed), tiles)
+
+
+# ---- capacities, batches ---------------------------------------------------------------------------------------
+
+
+def test_fixed_capacity_keeps_shapes_and_copies():
+    S = 130
+    pos = torch.arange(S)
+    causal = pos[:, None] >= pos[None, :]
+    a = omnigen.mask_from_dense(causal & (pos[:, None] - pos[None, :] < 40), tiles=[(32, 32)], partial_bits=64)
+    b = omnigen.mask_from_dense(causal, tiles=[(32, 32)], partial_bits=64)
+    assert a.fixed and [t.shape for t in a.schedules] == [t.shape for t in b.schedules]
+    a.copy_(b)
+    _check_mask(a, causal)
+    exact = omnigen.mask_from_dense(causal, tiles=[(32, 32)])
+    assert exact.schedules[5].numel() == exact.plan(32, 32).counts()["partial"] * rule_bits.slot_words(32, 32)
+    with pytest.raises(ValueError, match="partial_bits >= "):
+        omnigen.mask_from_dense(causal & (pos[:, None] % 3 == 0), tiles=[(32, 32)], partial_bits=2)
+    for bad in ("auto", "none", -1, 1.5):
+        with pytest.raises(ValueError, match="partial_bits"):
+            omnigen.mask_from_dense(causal, tiles=[(32, 32)], partial_bits=bad)
+
+
+def test_square_mask_repeated_over_a_batch():
+    pos = torch.arange(70)
+    dense = (pos[:, None] >= pos[None, :]) & (pos[None, :] % 5 != 1)
+    made = omnigen.mask_from_dense(dense, batch=3, tiles=[(16, 32)])
+    assert made.batch_size == 3
+    _check_mask(made, dense[None].expand(3, -1, -1))
+
+
+def test_default_tiles_are_the_kernels():
+    pos = torch.arange(64)
+    made = omnigen.mask_from_dense(pos[:, None] >= pos[None, :], head_dim=128, dtype=torch.bfloat16)
+    from omnigen.op import candidate_tile_shapes
+
+    assert list(made.tiles) == candidate_tile_shapes(RULELESS_RULES, 64, torch.device("cpu"), 128, torch.bfloat16)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+
+
+def _raises(match, fn, *args, **kwargs):
+    with pytest.raises(omnigen.InputError, match=match) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_dense_errors():
+    _raises("must be torch.bool", omnigen.mask_from_dense, torch.zeros(8, 8))
+    _raises("2 or 3 dimensions", omnigen.mask_from_dense, torch.zeros(1, 1, 8, 8, dtype=torch.bool))
+    _raises("square", omnigen.mask_from_dense, torch.zeros(8, 9, dtype=torch.bool))
+    _raises("torch.from_numpy", omnigen.mask_from_dense, __import__("numpy").ones((4, 4), dtype=bool))
+    _raises("batch=2, but", omnigen.mask_from_dense, torch.ones(3, 8, 8, dtype=torch.bool), batch=2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        omnigen.mask_from_dense(torch.ones(8, 8, dtype=torch.bool), tiles=[(10, 16)])
+
+
+def test_mod_errors():
+    def branchy(b, h, q, k):
+        return True if q >= k else False  # Python control flow on a tensor
+
+    error = _raises("mask_mod failed on index tensors.*torch.where", omnigen.mask_from_mod, branchy, 1, 40, "cpu")
+    assert len(error.problems) == 1
+    _raises("depends on the head h", omnigen.mask_from_mod, lambda b, h, q, k: (q >= k) & (h == 0), 1, 40, "cpu")
+    _raises("must return a bool tensor", omnigen.mask_from_mod, lambda b, h, q, k: q - k, 1, 40, "cpu")
+    _raises("kv_len=50.*square", omnigen.mask_from_mod, lambda b, h, q, k: q >= k, 1, 40, "cpu", kv_len=50)
+    _raises("B must be a positive integer", omnigen.mask_from_mod, lambda b, h, q, k: q >= k, 0, 40, "cpu")
+    _raises("must be a function", omnigen.mask_from_mod, "causal", 1, 40, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cpu'"):
+            omnigen.mask_from_mod(lambda b, h, q, k: q >= k, 1, 40)  # the default is "cuda"
+    full = omnigen.mask_from_mod(lambda b, h, q, k: True, 2, 40, "cpu", tiles=[(16, 16)])
+    assert full.plan(16, 16).counts()["partial"] == 0 and full.allowed_pairs == 2 * 40 * 40
+
+
+def test_interval_errors():
+    S = 10
+    lts, lte = torch.full((1, S), 5), torch.full((1, S), S)
+    _raises("in \\[0, S\\] = \\[0, 10\\]", omnigen.mask_from_intervals, lts, lte + 1)
+    _raises("lts must be <= lte", omnigen.mask_from_intervals, lte, lts)
+    _raises("uts is given without ute", omnigen.mask_from_intervals, lts, lte, uts=lts)
+    _raises("integer row indices", omnigen.mask_from_intervals, lts.float(), lte)
+    _raises("one shape", omnigen.mask_from_intervals, lts, lte[:, :5])
+    _raises("\\[B, S\\]", omnigen.mask_from_intervals, lts[None, None], lte[None, None])
+    error = _raises("2 problems", omnigen.mask_from_intervals, lts, lte, uts=lts.float())
+    assert len(error.problems) == 2
