@@ -364,3 +364,15 @@ def test_interval_errors():
     _raises("\\[B, S\\]", omnigen.mask_from_intervals, lts[None, None], lte[None, None])
     error = _raises("2 problems", omnigen.mask_from_intervals, lts, lte, uts=lts.float())
     assert len(error.problems) == 2
+
+
+def test_attention_refuses_a_mask_made_from_data_where_it_cannot_read_bits():
+    """The CPU path evaluates rules, and a mask made from data has none: it must refuse, not give zero rows."""
+    import omnigen
+
+    dense = torch.ones(64, 64, dtype=torch.bool).tril()
+    dense[40:, :8] = False  # partial tiles that are not causal
+    mask = omnigen.mask_from_dense(dense, device="cpu", tiles=[(32, 32)])
+    q = torch.randn(1, 2, 64, 32)
+    with pytest.raises(ValueError, match="made from data .* the CPU path does not read bits yet"):
+        omnigen.attention(q, q, q, mask)

@@ -35,6 +35,7 @@ import torch
 
 from ..kernels import as_heads_inner, capabilities, family_of, heads_inner, kernel_ready
 from ..plan.masks import PER_SHAPE, SCHEDULE_TENSORS
+from ..plan.ruleless import is_ruleless
 from ..plan.schedule import dq_ranks
 from ..rules import rules_for_key
 from . import checks, cpu
@@ -200,7 +201,16 @@ def pass_module(kernel: str, q: torch.Tensor, backward: bool) -> tuple[Any, Any]
     if backward and not has_backward(module):
         raise RuntimeError(f"{module.MODULE_NAME} has no backward kernel: "
                            f"{capabilities(module).backward_problem or 'rebuild with a newer omnigen'}")
+    if kernel.startswith(RULES_PREFIX) and is_ruleless(kernel[len(RULES_PREFIX):]) and not capabilities(module).partial_bits:
+        raise ValueError(_ruleless_refusal(f"{module.MODULE_NAME} ({'backward' if backward else 'forward'}) does not "
+                                           "read partial tiles' bits"))
     return config, module
+
+
+def _ruleless_refusal(why: str) -> str:
+    return (f"omnigen::attention: this mask was made from data (mask_from_dense / mask_from_mod / "
+            f"mask_from_intervals), so its partial tiles exist only as bits, and {why}. Such masks run on the sm90 "
+            "family's kernels (Hopper GPUs) built with partial_bits on (the default)")
 
 
 # Inductor may hand the ops q, k, v, out and dO in whatever layout their producers find cheapest
@@ -219,8 +229,11 @@ def attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_lists(schedules, tiles)
     if on_host_path(q):
+        rules = rules_of(kernel)
+        if is_ruleless(rules):
+            raise ValueError(_ruleless_refusal("the CPU path does not read bits yet"))
         plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
-        out, lse = cpu.forward(rules_of(kernel), plan, q, k, v, scale)
+        out, lse = cpu.forward(rules, plan, q, k, v, scale)
         return as_heads_inner(out), lse
     config, module = pass_module(kernel, q, backward=False)
     plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
