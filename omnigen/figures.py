@@ -153,23 +153,25 @@ def tile_text(cells: np.ndarray, factors: tuple[int, int], layout: Layout, block
 
 def mask_cells(mask: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """(allowed count, area) per cell of a rows x cols grid laid over a bool [S, S] mask (numpy, or anything
-    np.asarray reads), int64 [rows, cols] each.
+    np.asarray reads), int64 [rows, cols] each; rows and cols at most S.
 
-    Cells cover near-equal token ranges; works in row chunks so memory stays O(S * cols).
+    Cells cover near-equal, contiguous token ranges, so each count is an integer sum over a block:
+    np.add.reduceat over columns, then rows, a chunk of rows at a time (memory O(S * cols)).
     """
     mask = np.asarray(mask)
     S = mask.shape[0]
     row_of = np.arange(S) * rows // S
     col_of = np.arange(S) * cols // S
-    onehot = np.zeros((S, cols), dtype=np.float32)
-    onehot[np.arange(S), col_of] = 1.0
-    counts = np.zeros((rows, cols), dtype=np.float64)
+    col_starts = np.searchsorted(col_of, np.arange(cols))
+    counts = np.zeros((rows, cols), dtype=np.int64)
     chunk = max(1, (1 << 22) // S)
     for start in range(0, S, chunk):
-        part = mask[start:start + chunk].astype(np.float32) @ onehot  # exact: counts stay below 2^24
-        np.add.at(counts, row_of[start:start + chunk], part)
+        part = np.add.reduceat(mask[start:start + chunk], col_starts, axis=1, dtype=np.int64)  # [chunk, cols]
+        local = row_of[start:start + chunk]
+        first = np.flatnonzero(np.r_[True, local[1:] != local[:-1]])  # each row cell's first row in the chunk
+        counts[local[first]] += np.add.reduceat(part, first, axis=0)
     areas = np.bincount(row_of, minlength=rows)[:, None] * np.bincount(col_of, minlength=cols)[None, :]
-    return counts.round().astype(np.int64), areas
+    return counts, areas
 
 
 def _segment_label(segments: Sequence[Segment], index: int) -> str:
