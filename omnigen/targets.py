@@ -108,6 +108,7 @@ class KernelConfig:
     tile: TileConfig = field(default=DEFAULT_TILE)
     kernel_family: str = ""  # "": the arch's own family (ARCH_TABLE); else one that also builds for the arch
     options: KernelOptions | None = None  # None: the family's defaults
+    forward_only: bool = False  # a module without backward kernels (inference): a build of the forward pass alone
 
     def __post_init__(self) -> None:
         if self.options is not None and not self.options.changed():
@@ -117,7 +118,8 @@ class KernelConfig:
     def label(self) -> str:
         named = f"_{self.kernel_family}" if self.kernel_family and self.kernel_family != self.arch_family else ""
         options = f"_{self.options.label}" if self.options is not None else ""
-        return f"{self.dtype}_d{self.head_dim}_{self.tile.label}_{self.arch}{named}{options}"
+        passes = "_fwd" if self.forward_only else ""
+        return f"{self.dtype}_d{self.head_dim}_{self.tile.label}_{self.arch}{named}{options}{passes}"
 
     @property
     def threads(self) -> int:
@@ -159,6 +161,8 @@ class KernelConfig:
             out["family"] = self.kernel_family
         if self.options is not None:
             out["options"] = self.options.changed()
+        if self.forward_only:
+            out["forward_only"] = True
         return out
 
 

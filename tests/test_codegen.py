@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import re
 import shutil
@@ -274,3 +275,21 @@ def test_variants_without_a_backward_say_why():
     assert "constexpr bool kHasBackward = false;" in files[codegen.source_names(rules, wide)["binding"]]
     assert not kernels.backward_problems(KernelConfig(128, "bf16", "sm_80"))
     assert "multiple of 64" in " ".join(kernels.backward_problems(KernelConfig(64, "bf16", "sm_80", TileConfig(32, 32, 2, 2))))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_a_forward_only_variant_renders_no_backward_kernel(arch):
+    """KernelConfig.forward_only (inference): another module, whose backward file holds the launchers alone (they
+    say there is no backward); an untuned kernel would train with the full variant's choice."""
+    rules = omnigen.Rules.from_yaml(TRANSFUSION_A)
+    full = KernelConfig(128, "bf16", arch, kernels.default_tile(arch, 128))
+    forward = dataclasses.replace(full, forward_only=True)
+    assert forward.label == full.label + "_fwd" and forward.as_dict()["forward_only"] is True
+    assert codegen.module_name(rules, forward) != codegen.module_name(rules, full)
+    assert not kernels.problems(forward) and "built forward-only" in " ".join(kernels.backward_problems(forward))
+    assert kernels.default_backward(forward) == kernels.default_backward(full)
+    files, names = codegen.render(rules, forward), codegen.source_names(rules, forward)
+    backward = files[names["backward"]]
+    assert "__global__" not in backward and "int backward_launch(" in backward and "int backward_delta_launch(" in backward
+    assert "constexpr bool kHasBackward = false;" in files[names["binding"]]
+    assert "forward_kernel" in files[names["kernel"]]

@@ -3,11 +3,12 @@
 Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles five variants once
 (one sm_80, one sm_90a, the sm_90a one with the sm90 forward's options that are on by default turned off, the
 d256 split-columns Hopper backward, and a d64 Hopper backward with its step and grid options off; in one
-parallel ninja run) into a private cache.
+parallel ninja run) into a private cache, and the sm_80 one forward-only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -43,6 +44,8 @@ SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(
 # The d64 Hopper backward, both dQ orders, with the step and grid options that are on by default off: the walk
 # without early scores (ascending and descending), dQ reductions from each consumer warp in atomic order, the
 # 3-D grids.
+# The sm_80 variant built forward-only (for inference): its backward file holds the launchers alone.
+SM80_FORWARD = dataclasses.replace(SM80, forward_only=True)
 ORDERED = with_options(KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2)),
                        early_scores=False, dq_writer=False, ordered_section_pairs=0, atomic_section_pairs=0)
 
@@ -164,7 +167,7 @@ def built(tmp_path_factory):
     previous = os.environ.get("OMNIGEN_CACHE_DIR")
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
-        variants = [cache.variant(RULES, config) for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED)]
+        variants = [cache.variant(RULES, config) for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -178,10 +181,10 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True] * 5
+    assert [r.built for r in results] == [True] * 6
     # The sm90 forward's other options, the split-columns (d256) Hopper backward and the d64 one with its step and
     # grid options off: compiled, within the spill allowances.
-    for result in results[2:]:
+    for result in results[2:5]:
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
     assert sum("hopper_dkdv_kernel" in name for name in results[3].meta["ptxas"]["kernels"]) == 1
@@ -199,6 +202,18 @@ def test_build_sm80_and_sm90a_and_read_metadata(built):
         assert (module.HEAD_DIM, module.BLOCK_M, module.BLOCK_N, module.DTYPE) == (64, config.tile.block_m, 64, "bf16")
         assert module.MODALITIES == ("image", "text", "pad") and module.PAD_ID == 2
         assert module.OMNIGEN_VERSION == omnigen.__version__
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_a_forward_only_build_has_the_forward_kernel_alone(built):
+    directory, results = built
+    result = results[5]
+    assert "_fwd_" in result.variant.module and result.variant.module != results[0].variant.module
+    assert [name for name in result.meta["ptxas"]["kernels"]] == [
+        name for name in results[0].meta["ptxas"]["kernels"] if "forward_kernel" in name]
+    module = cache.get_module(RULES, SM80_FORWARD)
+    assert module.HAS_BACKWARD is False and "built forward-only" in module.BACKWARD_PROBLEM
 
 
 @pytest.mark.nvcc
@@ -246,7 +261,7 @@ def test_cli_on_a_built_cache(built, tmp_path):
     assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
     assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
-    assert listed.exit_code == 0 and "buildtest" in listed.output and "5 module(s)" in listed.output
+    assert listed.exit_code == 0 and "buildtest" in listed.output and "6 module(s)" in listed.output
 
 
 @pytest.mark.nvcc
@@ -276,5 +291,5 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
     assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
-    assert cleared.exit_code == 0 and "removed 5 module(s)" in cleared.output
+    assert cleared.exit_code == 0 and "removed 6 module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

@@ -7,7 +7,8 @@ shared ones):
     <rules>_<dtype>_d<D>_<tile>_<arch>_shared.cuh   what the variant's two kernel files share (both include it)
     <rules>_<dtype>_d<D>_<tile>_<arch>.cu           the forward kernel and its launcher (one object file)
     <rules>_<dtype>_d<D>_<tile>_<arch>_backward.cu  the backward kernels (dK/dV, dQ, Delta) and their launchers
-                                                    (another object file, compiled beside the forward's)
+                                                    (another object file, compiled beside the forward's); a
+                                                    forward-only variant's launchers only, saying there are none
     <rules>_<dtype>_d<D>_<tile>_<arch>_binding.cpp  the pybind11 module (no CUDA or torch headers)
 
 The Python module is called ``<rules>_<dtype>_d<D>_<tile>_<arch>_<hash>``, the hash covering the
@@ -230,6 +231,9 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         "block_n": config.tile.block_n,
         **family.render_context(config),
     }
+    if config.forward_only:  # the binding's flags; the backward file is the launchers alone (forward_only.cu.j2)
+        problem = "; ".join(family.backward_problems(config)).replace('"', "'")
+        context.update(backward_supported=False, backward_problem=f"this module has no backward kernel: {problem}")
     context["raw_delimiter"] = _raw_delimiter(context["rules_yaml"])
     env = _environment(family)
     mask_context = dict(context, header=_header(rules, None, None), namespace=f"omnigen_rules_{rules.name}")
@@ -239,6 +243,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         names["mask"]: env.get_template("mask.cuh.j2").render(mask_context),
         names["shared"]: env.get_template(family.sources["shared"]).render(kernel_context),
         names["kernel"]: env.get_template(family.sources["kernel"]).render(kernel_context),
-        names["backward"]: env.get_template(family.sources["backward"]).render(kernel_context),
+        names["backward"]: env.get_template("forward_only.cu.j2" if config.forward_only else family.sources["backward"])
+                                .render(kernel_context),
         names["binding"]: env.get_template("binding.cpp.j2").render(dict(context, header=_header(rules, config, module))),
     }

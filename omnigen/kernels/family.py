@@ -81,6 +81,8 @@ class KernelFamily(ABC):
 
     def backward_problems(self, config: KernelConfig) -> list[str]:
         """Why this variant's module has no backward (empty when it has one); the forward is unaffected."""
+        if config.forward_only:
+            return [f"the variant {config.label} is built forward-only (KernelConfig.forward_only)"]
         return self.option_problems(config) or self.resources.Resources(config).backward_problems()
 
     def excess_spill_bytes(self, kernel_name: str, figures: dict) -> int:

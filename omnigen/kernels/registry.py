@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..targets import ARCH_TABLE, KernelConfig
 from .family import KernelFamily
 from .sm80 import FAMILY as SM80
@@ -43,6 +45,8 @@ def default_backward(config: KernelConfig) -> KernelConfig:
     """The variant an untuned kernel whose forward is `config` runs its backward with: its family's choice, else
     the default variant of another family that builds for the arch (sm_90a: sm80's, a module of its own) where that
     one has a backward; else `config` itself (which then has none)."""
+    if config.forward_only:  # its module has no backward: the full variant's choice
+        return default_backward(replace(config, forward_only=False))
     family = family_of(config)
     chosen = family.default_backward(config)
     if chosen is not None:
