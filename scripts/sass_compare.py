@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             if delta:
                 old_usage[kernel] = re.sub(r"CONSTANT\[0\]:(\d+)", lambda m: f"CONSTANT[0]:{int(m.group(1)) + delta}",
                                            old_usage[kernel])
-        if old_usage != entry["usage"]:
+        changed = {k: (old_usage.get(k), v) for k, v in entry["usage"].items() if old_usage.get(k) != v}
+        if changed:  # (kernels gone or new are reported above)
             differences += 1
-            changed = {k: (old_usage.get(k), v) for k, v in entry["usage"].items() if old_usage.get(k) != v}
             print(f"  {variant} resource usage (before, after): {changed}")
     print(f"  {differences} difference(s)")
     return 1 if differences else 0
