@@ -60,6 +60,10 @@ def launch_choice(kernel: str, q: torch.Tensor, backward: bool) -> torch.Tensor:
     if caps.launch_abi is None:
         raise RuntimeError(f"{getattr(module, 'MODULE_NAME', module)} exports no native launches: it was built by an "
                            "older omnigen; clear the kernel cache (omnigen cache clear) to rebuild it")
+    launch = caps.backward_launch if backward else caps.forward_launch
+    if not launch or (backward and not caps.delta_launch):
+        raise RuntimeError(f"{getattr(module, 'MODULE_NAME', module)} exports no {'backward' if backward else 'forward'} "
+                           "launch for the op shim; clear the kernel cache (omnigen cache clear) to rebuild it")
     flags = (PERSISTENT_FORWARD * caps.persistent_forward | PARTIAL_BITS * caps.partial_bits
              | ORDERED_DQ * caps.ordered_dq | GQA_IN_KERNEL * caps.gqa_in_kernel)
     return torch.tensor([config.tile.block_m, config.tile.block_n, caps.forward_launch, caps.backward_launch,

@@ -74,6 +74,9 @@ LaunchChoice launch_choice(c10::string_view kernel, const at::Tensor& q, bool ba
   choice.backward = reinterpret_cast<omnigen::BackwardLaunch>(static_cast<uintptr_t>(f[3]));
   choice.delta = reinterpret_cast<omnigen::DeltaLaunch>(static_cast<uintptr_t>(f[4]));
   choice.flags = f[5];
+  // Never call an address that is not there (Python checks it too; a null here would be a segfault).
+  TORCH_CHECK(backward ? (choice.backward != nullptr && choice.delta != nullptr) : choice.forward != nullptr,
+              "omnigen: the module chosen for this call exports no ", backward ? "backward" : "forward", " launch");
   std::lock_guard<std::mutex> lock(choices_mutex);
   choices[key] = choice;
   return choice;
