@@ -35,9 +35,7 @@ _LAZY = {
     **dict.fromkeys(("KernelConfig", "KernelSpec", "TileConfig"), "targets"),
     **dict.fromkeys(("Kernel", "attention", "build", "mask"), "op"),  # `mask` the function, not a submodule
     # masks no rule says (omnigen.plan.ruleless): the same Mask, partial tiles from bits only
-    "mask_from_dense": "plan.from_dense",
-    "mask_from_intervals": "plan.from_intervals",
-    "mask_from_mod": "plan.from_mod",
+    **dict.fromkeys(("mask_from_dense", "mask_from_intervals", "mask_from_mod"), "op"),  # op: the kernels' tiles
 }
 
 

@@ -25,6 +25,7 @@ from ..jit import cache, toolchain
 from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check, default_backward
 from ..layout import AnyLayout, Layout, LayoutBatch, as_layout
 from ..plan import Mask, Plan, make_mask, mask_from_plans, plan
+from ..plan import ruleless
 from ..rules import Rules, rules_for_key
 from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
@@ -463,3 +464,6 @@ def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head
                     configs += [found.forward, found.backward]
             shapes += [(c.tile.block_m, c.tile.block_n) for c in configs]
     return list(dict.fromkeys(shapes)) or [(128, 64)]
+
+
+ruleless.set_default_tiles(candidate_tile_shapes)  # masks made from data plan the kernels' tiles

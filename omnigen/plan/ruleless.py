@@ -270,14 +270,27 @@ def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device
 
 # ---- arguments shared by the makers ---------------------------------------------------------------------------
 
+# The tile shapes kernels may run, (rules, S, device, head_dim, dtype) -> [(block_m, block_n)]: the op layer knows
+# them (the families' defaults and the tuning database) and installs this when it is imported, as it installs the
+# op's rules resolver; the public names omnigen.mask_from_* import it first.
+_default_tiles: Callable[..., list[tuple[int, int]]] | None = None
+
+
+def set_default_tiles(finder: Callable[..., list[tuple[int, int]]]) -> None:
+    global _default_tiles
+    _default_tiles = finder
+
+
 
 def tile_shapes(S: int, device: torch.device, tiles: Iterable[tuple[int, int]] | None, head_dim: int | None,
                 dtype: torch.dtype | None) -> list[tuple[int, int]]:
     """The tile shapes to plan: `tiles`, else those kernels may run at this length (as `omnigen.mask` picks them)."""
     if tiles is None:
-        from ..op.kernel import candidate_tile_shapes  # the op layer knows the kernels' tiles and the tuning database
-
-        tiles = candidate_tile_shapes(RULELESS_RULES, S, device, head_dim, dtype)
+        if _default_tiles is None:
+            raise ValueError("tiles=None: the kernels' tile shapes are known once omnigen's ops are loaded; call "
+                             "omnigen.mask_from_dense / mask_from_mod / mask_from_intervals (they load them), or pass "
+                             "tiles=[(block_m, block_n), ...]")
+        tiles = _default_tiles(RULELESS_RULES, S, device, head_dim, dtype)
     try:
         shapes = list(dict.fromkeys((_check_block(m, "block_m"), _check_block(n, "block_n")) for m, n in tiles))
     except (TypeError, ValueError) as exc:
