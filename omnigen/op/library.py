@@ -215,9 +215,9 @@ def _ruleless_refusal(why: str) -> str:
 
 # Inductor may hand the ops q, k, v, out and dO in whatever layout their producers find cheapest
 # (flexible_layout): the kernels take any row strides (kernel_ready copies only a tensor they cannot read), and
-# the outputs' layout is fixed (heads_inner), never derived from the inputs'. Under the default (the layouts eager
-# mode had at trace time) a model whose rotary embedding ends in a `cat` had q and k rewritten by Inductor as
-# [B, H, S, D] copies, 11 ms a step at config (a) of benchmarks/train_step.py (RESULTS.md).
+# the outputs' layout is fixed (heads_inner), never derived from the inputs', so the fakes stay right whatever
+# Inductor picks. The default would pin every input to the layout eager mode gave it at trace time. With both, a
+# training step of benchmarks/train_step.py's config (a) took 1 GiB less memory (RESULTS.md, eleventh session).
 _LAYOUT_TAGS = (torch._C.Tag.flexible_layout,)
 
 
