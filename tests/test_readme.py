@@ -20,7 +20,10 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re
 
 
 def _needs_gpu(code: str) -> bool:
+    """Whether a block uses CUDA unconditionally (a block that asks `torch.cuda.is_available()` runs everywhere)."""
     statements = re.sub(r"#.*", "", code)  # comments may mention CUDA
+    if "torch.cuda.is_available()" in statements:
+        return False
     return any(word in statements for word in ('"cuda"', ".cuda(", "omnigen.build("))
 
 
