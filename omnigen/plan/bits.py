@@ -90,7 +90,18 @@ def slot_tiles(ptr: torch.Tensor, index: torch.Tensor, starts: torch.Tensor, row
     return batch, row % row_tiles, torch.where(used, other, 0)
 
 
-def _thread_columns(columns: int, device: torch.device) -> torch.Tensor:
+def pack_thread_values(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 [n, words, rows, 4], the slots' layout, from bool [n, rows, 4, words * 32]: each row's thread t's values
+    v in order (`thread_columns`), bit v % 32 of word v // 32."""
+    n, rows, threads, values = allowed.shape
+    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=allowed.device),
+                                       torch.arange(32, device=allowed.device))
+    packed = (allowed.view(n, rows, threads, values // 32, 32).long() * weights).sum(-1)  # distinct bits: sum = or
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.permute(0, 3, 1, 2)
+
+
+def thread_columns(columns: int, device: torch.device) -> torch.Tensor:
     """int64 [4, words * 32]: tile column of thread t's value v (`columns` or more: no such column)."""
     v = torch.arange(mask_words(columns) * 32, device=device)
     t = torch.arange(4, device=device)[:, None]
@@ -121,9 +132,7 @@ def partial_bits_reference(rules, tables, ptr: torch.Tensor, index: torch.Tensor
         return starts, bits.view(-1)
     batch, row_tile, column_tile = slot_tiles(ptr, index, starts, rows, row_tiles, capacity)
     rule_t = rule_tensors(rules, device)
-    columns = _thread_columns(tile_columns, device)[None, None]  # [1, 1, 4, V]
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=device),
-                                       torch.arange(32, device=device))
+    columns = thread_columns(tile_columns, device)[None, None]  # [1, 1, 4, V]
     for first in range(0, capacity, chunk):
         b, i, j = (x[first : first + chunk] for x in (batch, row_tile, column_tile))
         row_pos = (i * tile_rows)[:, None, None, None] + torch.arange(tile_rows, device=device)[None, :, None, None]
@@ -131,9 +140,7 @@ def partial_bits_reference(rules, tables, ptr: torch.Tensor, index: torch.Tensor
         q_pos, k_pos = (column_pos, row_pos) if transposed else (row_pos, column_pos)
         allowed = pair_predicate(rules, tables, b.clamp(min=0)[:, None, None, None], q_pos, k_pos, rule_t)
         allowed &= (b >= 0)[:, None, None, None]
-        packed = (allowed.view(*allowed.shape[:3], words, 32).long() * weights).sum(-1)  # [n, rows, 4, W]
-        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-        bits[first : first + chunk] = packed.permute(0, 3, 1, 2)
+        bits[first : first + chunk] = pack_thread_values(allowed)
     return starts, bits.view(-1)
 
 

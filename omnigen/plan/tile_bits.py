@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .bits import mask_words
+from .bits import thread_columns, mask_words, pack_thread_values
 
 # Scores of this many tile elements are packed at a time (bounded temporaries: int64 weights per element).
 PACK_ELEMENTS = 1 << 22
@@ -22,11 +22,8 @@ PACK_ELEMENTS = 1 << 22
 
 def _columns(columns: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(tile column of thread t's value v as int64 [4, words * 32], clamped into the tile; whether it exists)."""
-    v = torch.arange(mask_words(columns) * 32, device=device)
-    t = torch.arange(4, device=device)[:, None]
-    column = 8 * (v // 2) + 2 * t + v % 2
-    exists = (v < columns // 4).expand(4, -1)
-    return column.clamp(max=columns - 1), exists
+    column = thread_columns(columns, device)  # `columns` where a thread has no such value
+    return column.clamp(max=columns - 1), column < columns
 
 
 def pack(tiles: torch.Tensor, transposed: bool = False) -> torch.Tensor:
@@ -37,17 +34,11 @@ def pack(tiles: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     n, rows, columns = tiles.shape
     words = mask_words(columns)
     column, exists = _columns(columns, tiles.device)
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=tiles.device),
-                                       torch.arange(32, device=tiles.device))
     out = torch.empty(n, words, rows, 4, dtype=torch.int32, device=tiles.device)
     step = max(1, PACK_ELEMENTS // max(1, rows * words * 128))
     for first in range(0, n, step):
-        part = tiles[first : first + step]
         # [m, rows, 4, words * 32]: each thread's values in order, absent columns False.
-        spread = part[:, :, column] & exists
-        packed = (spread.view(*spread.shape[:3], words, 32).long() * weights).sum(-1)  # distinct bits: sum = or
-        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-        out[first : first + step] = packed.permute(0, 3, 1, 2)
+        out[first : first + step] = pack_thread_values(tiles[first : first + step][:, :, column] & exists)
     return out
 
 
