@@ -4,7 +4,7 @@
   same `stats()` as `omnigen.plan(...)`;
 - its tile pictures (`kind_cells`, classified band by band) equal the `Plan`'s and an independent grouping of
   `plan.kinds`;
-- `host.host_schedules` (numpy) equals the dense reference path `host._classify` + `host._schedules`, and
+- `host.host_schedules` (numpy) equals the dense reference path `host._classify` + `ruleless.schedules_from_kinds`, and
   `Plan`'s tensors hold exactly those arrays;
 - `semantics.dense_mask_host` (numpy) equals `Rules.dense_mask`;
 
@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import omnigen
 from omnigen.plan import host, summarize
+from omnigen.plan.ruleless import schedules_from_kinds
 from omnigen.semantics import dense_mask_host
 
 from strategies import layouts, rules as random_rules
@@ -84,7 +85,7 @@ def _check(rule_set: omnigen.Rules, layout, block_m: int, block_n: int, factors:
         numpy_schedules = host.host_schedules(rule_set, host._CpuTables.of(layout.host_tables(rule_set)),
                                               block_m, block_n)
     grid, allowed = host._classify(rule_set, tables, block_m, block_n)
-    reference = host._schedules(grid.view(plan.batch_size, plan.num_q_tiles, plan.num_kv_tiles))
+    reference = schedules_from_kinds(grid.view(plan.batch_size, plan.num_q_tiles, plan.num_kv_tiles))
     for name, mine, theirs, tensor in zip(("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q"), numpy_schedules, reference,
                                           (plan.fwd_ptr, plan.fwd_kv, plan.bwd_ptr, plan.bwd_q)):
         assert np.array_equal(mine, theirs.numpy()), name

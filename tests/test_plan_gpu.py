@@ -1,7 +1,7 @@
 """The fused Triton planner (omnigen/plan/gpu.py) against the CPU path, array for array.
 
 Every case plans the same rules and layout with `omnigen.plan(..., device="cuda")` (which must go
-through plan_gpu) and with the CPU path (`_classify` + `_schedules`), and compares fwd_ptr,
+through plan_gpu) and with the CPU path (`_classify` + `ruleless.schedules_from_kinds`), and compares fwd_ptr,
 fwd_kv, bwd_ptr, bwd_q (values and dtypes) and allowed_pairs exactly.
 """
 
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import omnigen
 from omnigen.plan import gpu as plan_gpu
+from omnigen.plan.ruleless import schedules_from_kinds
 
 from strategies import layouts, rules
 
@@ -58,7 +59,7 @@ def cpu_schedules(rule_set, layout, block_m, block_n):
     tables = layout.tables(rule_set, "cpu")
     B, S = tables.batch_size, tables.seq_len
     grid, allowed = plan_module._classify(rule_set, tables, block_m, block_n)
-    schedules = plan_module._schedules(grid.view(B, -(-S // block_m), -(-S // block_n)))
+    schedules = schedules_from_kinds(grid.view(B, -(-S // block_m), -(-S // block_n)))
     return dict(zip(SCHEDULE, schedules)), allowed
 
 

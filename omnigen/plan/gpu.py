@@ -1,7 +1,7 @@
 """The planner on a CUDA GPU: three fused Triton launches and one host sync.
 
 `classify_and_schedule(rules, tables, block_m, block_n)` returns exactly what `host._classify` +
-`host._schedules` return (same tiles, same kinds, same schedule order, same allowed-pair count),
+`ruleless.schedules_from_kinds` return (same tiles, same kinds, same schedule order, same allowed-pair count),
 computed from the O(S) layout tables, never from per-token prefix arrays:
 
 1. `_prep_kernel`: one program computes segment-level prefix sums of every column weight row

@@ -42,7 +42,7 @@ elements, where per-call overhead is what costs (numpy's is about a third of tor
 spreads a small array over threads). On a CUDA device with Triton, `plan()` hands the same
 computation to `plan.gpu`: one Triton program per (q-tile row, block of kv-tiles) counts N and U
 with the same closed forms and classifies, and one program per row and per column writes the
-schedules: three launches and one host sync, results identical to `_classify` + `_schedules`
+schedules: three launches and one host sync, results identical to `_classify` + `ruleless.schedules_from_kinds`
 (tests/test_plan_gpu.py compares them array for array).
 
 Everything here is numpy; torch is met only at the edge (`classify_and_schedule` returns tensors, and
@@ -853,13 +853,6 @@ def _schedules_banded(problem: _Problem, bands: list[tuple[int, int]]) -> tuple[
         cursor[keys] += sizes
         bwd_q[np.arange(q.shape[0]) + np.repeat(shift, sizes)] = q
     return fwd_ptr, fwd_kv, bwd_ptr, bwd_q
-
-
-def _schedules(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward (per q-tile row) and backward (per kv-tile column) schedules from a [B, nq, nk] CPU kind grid."""
-    import torch
-
-    return tuple(torch.from_numpy(a) for a in _schedules_host(grid.numpy()))
 
 
 def _schedules_host(grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
