@@ -20,12 +20,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import cuda_problem
 from ..jit import cache, toolchain
 from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check, default_backward
 from ..layout import AnyLayout, Layout, LayoutBatch, as_layout
 from ..plan import Mask, Plan, make_mask, mask_from_plans, plan
 from ..plan import ruleless
+from ..plan.planners import _check_device
 from ..rules import Rules, rules_for_key
 from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
@@ -416,21 +416,9 @@ def mask(
 
 
 def _mask_device(device: torch.device | str) -> torch.device:
-    """Where a mask is made: a torch.device (a CUDA one with its index), or a ValueError that says what to do,
-    instead of torch's own assertion when this machine has no CUDA."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a device: pass 'cuda', 'cuda:N' or 'cpu' "
-                         f"({str(exc).splitlines()[0].rstrip(' -')})") from None
-    if device.type == "cuda":
-        problem = cuda_problem()
-        if problem:
-            raise ValueError(f"device={str(device)!r}: {problem}; on this machine make the mask with device='cpu' "
-                             "and call omnigen.attention with CPU tensors (a PyTorch path, for tests and debugging)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    """Where a mask is made (plan.planners._check_device), with the advice for a machine without CUDA."""
+    return _check_device(device, "on this machine make the mask with device='cpu' and call omnigen.attention with "
+                                 "CPU tensors (a PyTorch path, for tests and debugging)")
 
 
 def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head_dim: int | None = None,

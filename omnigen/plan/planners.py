@@ -17,8 +17,13 @@ def _check_block(value: Any, name: str) -> int:
     return value
 
 
-def _check_device(device: Any) -> torch.device:
-    """`device` as a torch.device that exists here, else a ValueError saying what to do."""
+# What to do on a machine without CUDA, by what is being made (the plan is the same on the CPU).
+PLAN_ON_CPU = "plan on the CPU with device='cpu' (the default), which gives the same plan"
+
+
+def _check_device(device: Any, no_cuda_advice: str = PLAN_ON_CPU) -> torch.device:
+    """`device` as a torch.device that exists here (a CUDA one with its index: what tensors made there report),
+    else a ValueError saying what to do; `no_cuda_advice` ends the message where CUDA is asked for and missing."""
     import torch
 
     if device is None:
@@ -26,14 +31,15 @@ def _check_device(device: Any) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a device: pass 'cpu' (the default), 'cuda', 'cuda:N' "
+        raise ValueError(f"device={device!r} is not a device: pass 'cpu', 'cuda', 'cuda:N' "
                          f"or a torch.device ({str(exc).splitlines()[0].rstrip(' -')})") from None
     if device.type == "cuda":
         problem = cuda_problem()
         if problem:
-            raise ValueError(f"device={str(device)!r}: {problem}; plan on the CPU with device='cpu' (the default), "
-                             f"which gives the same plan") from None
-        if device.index is not None and device.index >= torch.cuda.device_count():  # (cached by torch)
+            raise ValueError(f"device={str(device)!r}: {problem}; {no_cuda_advice}") from None
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():  # (cached by torch)
             raise ValueError(f"device={str(device)!r}, but only {torch.cuda.device_count()} CUDA device(s) are "
                              f"visible (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
     return device

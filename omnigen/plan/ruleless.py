@@ -237,9 +237,6 @@ def ruleless_layout(B: int, S: int, batched: bool) -> Layout | LayoutBatch:
 def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device: torch.device,
                   partial_bits: int | str = "exact") -> Mask:
     """The Mask of a mask without rules from its tile shapes' ShapePlans (see the module docstring)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # as make_mask: the mask names the device q will be on
-        device = torch.device("cuda", torch.cuda.current_device())
     layout = ruleless_layout(B, S, batched)
     tables = layout.tables(RULELESS_RULES, device)
     entries: dict[tuple[int, int], tuple] = {}
