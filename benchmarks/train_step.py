@@ -68,6 +68,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import omnigen  # noqa: E402
+from omnigen import bench  # noqa: E402
 from omnigen.tune.layouts import CAUSAL_LENGTHS  # noqa: E402  (text runs of 16-512 tokens, as the tuner's layouts)
 
 RULES_PATH = ROOT / "examples" / "rules" / "transfusion.yaml"
@@ -808,21 +809,10 @@ def add_ratios(runs: list[dict]) -> None:
 
 
 def smoothed_gap(curve: list[float], ref: list[float], window: int = 20) -> dict:
-    """Whether two loss curves agree within bf16 noise, judged as the example judges it: runs that start from
-    the same weights on the same data differ only by rounding, which grows into a different trajectory, so
-    single steps drift apart; the `window`-step means over the second half must stay within the curve's own
-    step-to-step noise (mean |loss[i] - loss[i-1]|), or within 2% of the loss where that noise is tiny."""
-    def smooth(xs: list[float]) -> list[float]:
-        return [sum(xs[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
-
-    n = min(len(curve), len(ref))
-    half = n // 2
-    a, b = smooth(curve[:n]), smooth(ref[:n])
-    gap = max(abs(x - y) for x, y in zip(a[half:], b[half:]))
-    steps = [abs(x - y) for x, y in zip(curve[half + 1:n], curve[half:n - 1])]
-    noise = sum(steps) / max(1, len(steps))
-    return {"window": window, "max_smoothed_gap": round(gap, 5), "step_to_step_noise": round(noise, 5),
-            "within_noise": bool(gap <= max(noise, 0.02 * abs(b[-1])))}
+    """`omnigen.bench.smoothed_gap` (the example's judgement of two loss curves), rounded for the JSON."""
+    verdict = bench.smoothed_gap(curve, ref, window)
+    return {"window": window, "within_noise": verdict["within_noise"],
+            **{k: round(verdict[k], 5) for k in ("max_smoothed_gap", "step_to_step_noise")}}
 
 
 def loss_agreement(runs: list[dict]) -> list[dict]:

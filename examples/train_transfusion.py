@@ -32,7 +32,7 @@ from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omnigen  # noqa: E402
-from omnigen.bench import rules_mask_mod  # noqa: E402
+from omnigen.bench import rules_mask_mod, smoothed_gap  # noqa: E402
 
 RULES = omnigen.Rules.load(Path(__file__).resolve().parent / "rules" / "transfusion.yaml")
 TEXT, IMAGE = RULES.modality_id("text"), RULES.modality_id("image")
@@ -261,22 +261,9 @@ def profile(name: str, one_step, steps: int, wall_ms: float) -> dict:
 
 
 def compare(a: list[float], b: list[float], window: int = 20) -> dict:
-    """How far apart two loss curves are, against how much each one jitters from step to step.
-
-    bf16 noise: the runs start equal and see the same data, so they differ only by rounding (different
-    kernels, different summation orders); that difference grows into a different trajectory, but the
-    smoothed curves must stay within the curves' own step-to-step noise."""
-    def smooth(xs):
-        return [sum(xs[max(0, i - window + 1):i + 1]) / len(xs[max(0, i - window + 1):i + 1]) for i in range(len(xs))]
-
-    sa, sb = smooth(a), smooth(b)
-    tail = slice(len(a) // 2, None)
-    gap = max(abs(x - y) for x, y in zip(sa[tail], sb[tail]))
-    jitter = [abs(x - y) for x, y in zip(a[1:], a[:-1])][tail]
-    noise = sum(jitter) / max(1, len(jitter))
-    rel = max(abs(x - y) / max(abs(y), 1e-9) for x, y in zip(sa[tail], sb[tail]))
-    return {"max_smoothed_gap": gap, "max_smoothed_gap_relative": rel, "step_to_step_noise": noise,
-            "within_noise": gap <= max(noise, 0.02 * abs(sb[-1])), "window": window}
+    """How far apart two loss curves are, against how much the first jitters from step to step (bf16 noise:
+    `omnigen.bench.smoothed_gap` says how it is judged)."""
+    return smoothed_gap(a, b, window)
 
 
 def plot(results: dict, path: Path) -> Path | None:

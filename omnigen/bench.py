@@ -387,3 +387,23 @@ def tile_cost(dim: int, S: int, tokens: int, heads: int, seed: int = 0) -> dict:
 
 __all__ = ["COLUMNS", "NoGPU", "PEERS", "Result", "Workload", "count_steps", "measure", "peers", "plot",
            "random_inputs", "rules_mask_mod", "run", "table", "tile_cost", "workloads"]
+
+
+def smoothed_gap(curve: list[float], ref: list[float], window: int = 20) -> dict:
+    """Whether two loss curves agree within bf16 noise. Runs that start from the same weights on the same data
+    differ only by rounding (other kernels, other summation orders), which grows into a different trajectory, so
+    single steps drift apart; the `window`-step means over the second half must stay within `curve`'s own
+    step-to-step noise (mean |loss[i] - loss[i-1]|), or within 2% of the loss where that noise is tiny. Used by
+    examples/train_transfusion.py and benchmarks/train_step.py."""
+    def smooth(xs: list[float]) -> list[float]:
+        return [sum(xs[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
+
+    n = min(len(curve), len(ref))
+    half = n // 2
+    a, b = smooth(curve[:n]), smooth(ref[:n])
+    gap = max(abs(x - y) for x, y in zip(a[half:], b[half:]))
+    relative = max(abs(x - y) / max(abs(y), 1e-9) for x, y in zip(a[half:], b[half:]))
+    steps = [abs(x - y) for x, y in zip(curve[half + 1:n], curve[half:n - 1])]
+    noise = sum(steps) / max(1, len(steps))
+    return {"window": window, "max_smoothed_gap": gap, "max_smoothed_gap_relative": relative,
+            "step_to_step_noise": noise, "within_noise": bool(gap <= max(noise, 0.02 * abs(b[-1])))}
