@@ -540,6 +540,12 @@ def as_layout(value: object, name: str = "layout") -> AnyLayout:
         return value
     inner = getattr(value, "layout", None)  # an omnigen Mask (plan/masks.py) carries the layout it planned
     if isinstance(inner, (Layout, LayoutBatch)) and hasattr(value, "schedules"):
+        if getattr(value, "ruleless", False):
+            # Its layout is an all-pad stand-in (plan/ruleless.py): planning it with rules would allow nothing.
+            raise ValueError(f"{name}: this mask was made from data (mask_from_dense / mask_from_mod / "
+                             "mask_from_intervals), so it has no layout or rules to plan from; its exact plan is "
+                             "mask.plan(block_m, block_n) for one of mask.tiles, and it runs as "
+                             "omnigen.attention(q, k, v, mask)")
         return inner
     if isinstance(value, str):
         return Layout.parse(value)

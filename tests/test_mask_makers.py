@@ -13,8 +13,9 @@ import omnigen
 from omnigen.plan import bits as rule_bits
 from omnigen.plan.masks import PER_SHAPE
 from omnigen.plan.ruleless import RULELESS_RULES, is_ruleless
+from omnigen.mask_catalogue import NAMES, catalogue_mask
 from omnigen.plan.tile_bits import pack, unpack
-from omnigen.reference import tile_kinds_from_mask
+from omnigen.reference import attention_reference, attention_reference_grads, tile_kinds_from_mask
 from omnigen.semantics import CAUSAL, FULL, PARTIAL
 
 TILES = [(16, 16), (32, 48), (64, 32)]
@@ -157,91 +158,115 @@ def test_intervals_are_exact(vectors, tile):
     _same(made, omnigen.mask_from_dense(dense, tiles=[tile]))
 
 
-# ---- named masks: the three inputs agree -------------------------------------------------------------------------
+# ---- the acceptance catalogue (omnigen.mask_catalogue): three inputs, one plan, one output -------------------
 
-S_NAMED = 200
-
-
-def _documents(S, sizes):
-    doc = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    start = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0)[:-1]))[doc]
-    end = torch.tensor(sizes).cumsum(0)[doc]
-    return doc, start, end
+S_CATALOGUE = 200
 
 
-def _named():
-    """name -> (mask_mod, dense [1, S, S], intervals or None), one mask each (B = 1, S = S_NAMED)."""
-    S = S_NAMED
-    pos = torch.arange(S)
-    out = {}
-    # causal documents
-    cd_doc, _, cd_end = _documents(S, [37, 64, 50, 49])
-
-    def causal_documents(b, h, q, k):
-        return (cd_doc[q] == cd_doc[k]) & (q >= k)
-
-    out["causal_documents"] = (causal_documents, (cd_end[None], torch.full((1, S), S), None, None))
-    # sliding window of 48 with 5 global tokens (they see and are seen by everything before them)
-    W, G = 48, 5
-
-    def window_global(b, h, q, k):
-        return (q >= k) & ((q - k < W) | (k < G))
-
-    out["window_global"] = (window_global, (torch.where(pos < G, S, (pos + W).clamp(max=S))[None],
-                                            torch.full((1, S), S), None, None))
-    # prefix-LM documents: each document's first 20 tokens see each other, the rest causal
-    doc, start, end = _documents(S, [70, 80, 50])
-    prefix_end = start + 20
-
-    def prefix_documents(b, h, q, k):
-        return (doc[q] == doc[k]) & ((q >= k) | (k < prefix_end[q]))
-
-    upper_end = torch.where(pos < prefix_end, start, pos)
-    out["prefix_documents"] = (prefix_documents, (end[None], torch.full((1, S), S), torch.zeros(1, S, dtype=torch.long),
-                                                  upper_end[None]))
-    # a MEDUSA-like tree: a causal prefix of 120 tokens, then 80 tree nodes seeing the prefix and their ancestors
-    P = 120
-    parent = torch.full((S,), -1)
-    gen = torch.Generator().manual_seed(1)
-    for node in range(P + 1, S):
-        parent[node] = int(torch.randint(P, node, (1,), generator=gen))
-    ancestor = torch.zeros(S, S, dtype=torch.bool)
-    for node in range(P, S):
-        at = node
-        while at >= 0:
-            ancestor[node, at] = True
-            at = int(parent[at])
-
-    def medusa(b, h, q, k):
-        return torch.where(q < P, q >= k, (k < P) | ancestor[q, k])
-
-    out["medusa_tree"] = (medusa, None)
-    # random eviction: key j is dropped from the cache for queries from evict[j] on (causal otherwise)
-    evict = (pos + 1 + torch.randint(0, S, (S,), generator=gen)).clamp(max=S)
-
-    def eviction(b, h, q, k):
-        return (q >= k) & (q < evict[k])
-
-    out["random_eviction"] = (eviction, (evict[None], torch.full((1, S), S), None, None))
-    return out
+def _inputs(made, **kwargs):
+    """source -> the catalogue mask made from it (intervals only where FlashMask can say the mask)."""
+    sources = ("dense", "mod", "intervals") if made.intervals is not None else ("dense", "mod")
+    return {source: made.mask(source, **kwargs) for source in sources}
 
 
-NAMED = _named()
-
-
-@pytest.mark.parametrize("name", sorted(NAMED))
+@pytest.mark.parametrize("name", NAMES)
 def test_three_inputs_give_one_mask(name):
-    mod, vectors = NAMED[name]
-    S = S_NAMED
-    pos = torch.arange(S)
-    dense = mod(torch.zeros((), dtype=torch.long), 0, pos[:, None], pos[None, :])[None]
-    from_dense = omnigen.mask_from_dense(dense, tiles=TILES)
-    _check_mask(from_dense, dense)
-    _same(omnigen.mask_from_mod(mod, 1, S, device="cpu", tiles=TILES), from_dense)
-    if vectors is not None:
-        assert torch.equal(_intervals_dense(*vectors), dense)
-        _same(omnigen.mask_from_intervals(*vectors, tiles=TILES), from_dense)
-    assert from_dense.plan(32, 48).counts()["partial"] > 0
+    made = catalogue_mask(name, 2, S_CATALOGUE, seed=3)
+    dense = made.dense()
+    if made.intervals is not None:  # the catalogue's vectors say the same mask as its mod
+        assert torch.equal(_intervals_dense(*made.intervals), dense)
+    masks = _inputs(made, tiles=TILES)
+    _check_mask(masks["dense"], dense)
+    for mask in masks.values():
+        _same(mask, masks["dense"])
+    assert masks["dense"].plan(32, 48).counts()["partial"] > 0
+    assert made.intervals is not None or name == "medusa_tree"  # only the breadth-first tree lacks intervals
+
+
+def test_catalogue_is_reproducible_and_scales():
+    a, b = catalogue_mask("causal_documents", 2, 300, seed=1), catalogue_mask("causal_documents", 2, 300, seed=1)
+    assert torch.equal(a.dense(), b.dense())
+    assert not torch.equal(a.dense(), catalogue_mask("causal_documents", 2, 300, seed=2).dense())
+    assert not torch.equal(a.dense()[0], a.dense()[1])  # batch elements differ where the mask is random
+    with pytest.raises(ValueError, match="no catalogue mask named 'medusa'.*medusa_tree"):
+        catalogue_mask("medusa", 1, 64)
+    with pytest.raises(ValueError, match="no FlashMask intervals"):
+        catalogue_mask("medusa_tree", 1, 64).mask("intervals")
+
+
+def _qkv(B, Hq, Hkv, S, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_attention_of_the_catalogue_matches_the_float64_reference(name):
+    """Forward and backward through the CPU path (partial tiles from the mask's bits) against float64 on the dense
+    mask, for every input the mask has; the inputs give identical outputs; rows with no key give zeros."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 160, 16
+    made = catalogue_mask(name, B, S, seed=5)
+    dense = made.dense()
+    q, k, v, d_out = _qkv(B, Hq, Hkv, S, D, seed=7)
+    want, want_lse = attention_reference(q.detach(), k.detach(), v.detach(), dense)
+    want_grads = attention_reference_grads(q, k, v, dense, d_out)
+    results = {}
+    for source, mask in _inputs(made, tiles=[(32, 48), (16, 32)]).items():
+        out, lse = omnigen.attention(q, k, v, mask, return_lse=True)
+        results[source] = (out, lse, *torch.autograd.grad(out, (q, k, v), d_out))
+    out, lse, *grads = results["dense"]
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=1e-5, rtol=1e-6)  # lse is float32
+    for label, got, expected in zip("qkv", grads, want_grads):
+        # the backward reads the float32 lse: float32-sized errors
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{label}: {m}")
+    empty = ~dense.any(-1)  # [B, S]
+    assert bool(empty.any()) == (name in ("qk_sparse", "packed_alpaca"))
+    rows = empty[:, None].expand(B, Hq, S)
+    assert not out[rows].any() and torch.isneginf(lse[rows]).all() and not grads[0][rows].any()
+    for source, other in results.items():
+        for x, y in zip(other, results["dense"]):
+            assert torch.equal(x, y), source
+
+
+def test_cpu_attention_walks_the_partial_tiles_bits_not_the_rules(monkeypatch):
+    """A mask made from data masks its partial tiles from bits: corrupting one slot's bits changes the output
+    exactly on that tile's rows (the rules' tables are all pad, so any other source would give zero rows)."""
+    from omnigen.op import cpu
+
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 1)  # one kv-tile per span: slots are looked up tile by tile
+    pos = torch.arange(96)
+    dense = (pos[:, None] >= pos[None, :]) & ((pos[None, :] % 7 != 3) | (pos[:, None] < 40))
+    mask = omnigen.mask_from_dense(dense, tiles=[(32, 32)])
+    q, k, v, _ = _qkv(1, 2, 2, 96, 16, seed=1)
+    want, _ = attention_reference(q.detach(), k.detach(), v.detach(), dense)
+    out = omnigen.attention(q, k, v, mask)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    words = mask.schedules[5]
+    words[: rule_bits.slot_words(32, 32)] = -1  # slot 0: the first partial tile of the forward schedule
+    changed = (omnigen.attention(q, k, v, mask) - out).abs().amax((0, 1, 3)) > 0
+    plan = mask.plan(32, 32)
+    first_row = next(i for i in range(3) if plan.forward_tiles(i)["partial"])
+    assert changed[first_row * 32 : (first_row + 1) * 32].any() and not changed[: first_row * 32].any()
+    assert not changed[(first_row + 1) * 32 :].any()
+
+
+def test_rules_entry_points_refuse_a_mask_made_from_data():
+    """Planning a mask made from data with rules would read its all-pad stand-in layout: refused, naming the fix."""
+    from omnigen.plan import summarize
+
+    mask = catalogue_mask("causal_documents", 1, 64).mask("dense", tiles=[(32, 32)])
+    rules = omnigen.Rules.from_yaml("name: cd\nmodalities: {text: {self: causal}}")
+    for call in (lambda: omnigen.plan(rules, mask), lambda: omnigen.mask(rules, mask, device="cpu"),
+                 lambda: summarize(rules, mask)):
+        with pytest.raises(ValueError, match=r"made from data .* mask\.plan\(block_m, block_n\)"):
+            call()
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.raises(ValueError, match="differ from the mask's"):
+        omnigen.attention(q, q, q, mask, rules)
 
 
 @pytest.mark.parametrize("rules_text,segments", [
@@ -364,15 +389,3 @@ def test_interval_errors():
     _raises("\\[B, S\\]", omnigen.mask_from_intervals, lts[None, None], lte[None, None])
     error = _raises("2 problems", omnigen.mask_from_intervals, lts, lte, uts=lts.float())
     assert len(error.problems) == 2
-
-
-def test_attention_refuses_a_mask_made_from_data_where_it_cannot_read_bits():
-    """The CPU path evaluates rules, and a mask made from data has none: it must refuse, not give zero rows."""
-    import omnigen
-
-    dense = torch.ones(64, 64, dtype=torch.bool).tril()
-    dense[40:, :8] = False  # partial tiles that are not causal
-    mask = omnigen.mask_from_dense(dense, device="cpu", tiles=[(32, 32)])
-    q = torch.randn(1, 2, 64, 32)
-    with pytest.raises(ValueError, match="made from data .* the CPU path does not read bits yet"):
-        omnigen.attention(q, q, q, mask)

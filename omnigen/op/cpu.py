@@ -3,7 +3,8 @@
 For tests and debugging (a model that calls omnigen, unit-tested on a laptop or in CPU CI), not for speed:
 it is plain PyTorch, a Python loop over q-tiles. It walks a mask's forward schedule the way the kernels do --
 empty tiles are never visited, full tiles get no mask work, causal tiles one compare, partial tiles the
-rules' predicate (`omnigen.semantics.tile_predicate`) -- and keeps memory at O(S * D) plus a bounded chunk of
+rules' predicate (`omnigen.semantics.tile_predicate`), or, for a mask made from data (`plan.ruleless`: no rules
+to evaluate), the tile's bits from the mask (`tile_bits.unpack` of the forward schedule's slots) -- and keeps memory at O(S * D) plus a bounded chunk of
 scores: per q-tile an online softmax over its kv-tiles, never an S x S tensor. Consecutive kv-tiles of one
 kind are taken as one span (up to `CHUNK_ELEMENTS` scores at a time), which suits a CPU best:
 fewer, larger matrix products.
@@ -16,7 +17,8 @@ repeated per query head.
 
 `schedules` below is anything with a plan's attributes: `block_m`, `block_n`, `fwd_ptr`, `fwd_kv`, `batch_size`,
 `seq_len`, and `tables` (the per-token segment, modality and document tables) -- an `omnigen.plan.Plan` or the
-op's `library.Schedules`.
+op's `library.Schedules`; for a mask made from data also `partial_slot` and `partial_bits` (the op's Schedules).
+The backward reads the forward schedule's bits too (it walks q-tiles, as the forward does).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from typing import Any, Iterator
 import torch
 
 from ..kernels import heads_inner
+from ..plan.bits import slot_words
+from ..plan.ruleless import is_ruleless
+from ..plan.tile_bits import unpack
 from ..semantics import CAUSAL, FULL, SCHEDULE_KINDS, rule_tensors, tile_predicate
 
 # The dtypes this path takes; the kernels take only the half-precision ones.
@@ -74,12 +79,16 @@ def _rows(schedules: Any, heads: int) -> Iterator[tuple[int, int, int, list[Span
 
 
 class _Masker:
-    """Masks a span's scores in place by its kind: nothing for full, one compare for causal, the rules' predicate
-    (from the per-token tables) for partial."""
+    """Masks a span's scores in place by its kind: nothing for full, one compare for causal, for partial the rules'
+    predicate (from the per-token tables) or, for a mask made from data, its tiles' bits."""
 
     def __init__(self, rules: Any, schedules: Any) -> None:
         self.rules, self.tables = rules, schedules.tables
-        self.rule_t = rule_tensors(rules, "cpu")
+        self.from_bits = is_ruleless(rules)
+        if self.from_bits:
+            self.bits = _PartialBits(schedules)
+        else:
+            self.rule_t = rule_tensors(rules, "cpu")
 
     def apply_(self, scores: torch.Tensor, kind: int, b: int, r0: int, r1: int, c0: int, c1: int) -> None:
         if kind == FULL:
@@ -88,10 +97,45 @@ class _Masker:
         cols = torch.arange(c0, c1)
         if kind == CAUSAL:
             allowed = cols[None, :] <= rows[:, None]
+        elif self.from_bits:
+            allowed = self.bits.span(b, r0, r1, c0, c1)
         else:
             allowed = tile_predicate(self.rules, self.tables, b, rows, cols, self.rule_t)
         heads = scores.shape[0]
         scores.view(heads, -1, r1 - r0, c1 - c0).masked_fill_(~allowed, float("-inf"))
+
+
+class _PartialBits:
+    """The partial tiles of a mask made from data, read back from its forward schedule's bits.
+
+    Slot s holds the s-th partial entry of the forward schedule (`plan.bits`): q-tile row r's partial kv-tiles are
+    slots partial_slot[r] onwards, in the (ascending) order of the row's partial group. A span is a run of
+    consecutive kv-tiles of that group, so its slots are consecutive too: found by one search in the row's group."""
+
+    def __init__(self, schedules: Any) -> None:
+        self.block_m, self.block_n = schedules.block_m, schedules.block_n
+        self.nq = -(-schedules.seq_len // self.block_m)
+        self.ptr = schedules.fwd_ptr.long()
+        self.kv = schedules.fwd_kv.long()
+        self.starts = schedules.partial_slot.long()
+        self.words = schedules.partial_bits
+        self.per_slot = slot_words(self.block_m, self.block_n)
+        self.slots = self.words.numel() // self.per_slot
+
+    def span(self, b: int, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """bool [r1 - r0, c1 - c0]: the mask on queries [r0, r1) x keys [c0, c1), a run of partial tiles of one row."""
+        bm, bn = self.block_m, self.block_n
+        row = b * self.nq + r0 // bm
+        first, last = int(self.ptr[3 * row + 2]), int(self.ptr[3 * row + 3])
+        j0, n = c0 // bn, -(-(c1 - c0) // bn)
+        at = int(torch.searchsorted(self.kv[first:last], j0))
+        slot = int(self.starts[row]) + at
+        if slot + n > self.slots:
+            raise ValueError(f"omnigen::attention: the mask made from data holds bits for {self.slots} partial tiles "
+                             f"but its schedule has more ({bm}x{bn} tiles, q-tile row {row}); make it again with "
+                             "partial_bits='exact' (the default)")
+        tiles = unpack(self.words[slot * self.per_slot : (slot + n) * self.per_slot], bm, bn)  # [n, bm, bn]
+        return tiles.permute(1, 0, 2).reshape(bm, n * bn)[: r1 - r0, : c1 - c0]
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:

@@ -210,7 +210,7 @@ def pass_module(kernel: str, q: torch.Tensor, backward: bool) -> tuple[Any, Any]
 def _ruleless_refusal(why: str) -> str:
     return (f"omnigen::attention: this mask was made from data (mask_from_dense / mask_from_mod / "
             f"mask_from_intervals), so its partial tiles exist only as bits, and {why}. Such masks run on the sm90 "
-            "family's kernels (Hopper GPUs) built with partial_bits on (the default)")
+            "family's kernels (Hopper GPUs) built with partial_bits on (the default), and on CPU tensors")
 
 
 # Inductor may hand the ops q, k, v, out and dO in whatever layout their producers find cheapest
@@ -230,8 +230,6 @@ def attention_op(
     _check_lists(schedules, tiles)
     if on_host_path(q):
         rules = rules_of(kernel)
-        if is_ruleless(rules):
-            raise ValueError(_ruleless_refusal("the CPU path does not read bits yet"))
         plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
         out, lse = cpu.forward(rules, plan, q, k, v, scale)
         return as_heads_inner(out), lse
