@@ -344,9 +344,11 @@ def test_default_tiles_are_the_kernels():
 # ---- errors ----------------------------------------------------------------------------------------------------
 
 
-def _raises(match, fn, *args, **kwargs):
+def _raises(match, fn, *args, problems=1, **kwargs):
+    """The call raises one InputError holding `problems` messages, one of which matches."""
     with pytest.raises(omnigen.InputError, match=match) as info:
         fn(*args, **kwargs)
+    assert len(info.value.problems) == problems, info.value.problems
     return info.value
 
 
@@ -371,6 +373,13 @@ def test_mod_errors():
     _raises("kv_len=50.*square", omnigen.mask_from_mod, lambda b, h, q, k: q >= k, 1, 40, "cpu", kv_len=50)
     _raises("B must be a positive integer", omnigen.mask_from_mod, lambda b, h, q, k: q >= k, 0, 40, "cpu")
     _raises("must be a function", omnigen.mask_from_mod, "causal", 1, 40, "cpu")
+    # a mod of another signature is named with its own parameters, before anything calls it
+    _raises(r"four positional arguments \(b, h, q_idx, kv_idx\).*<lambda>\(q, k\)", omnigen.mask_from_mod,
+            lambda q, k: q >= k, 1, 40, "cpu")
+    star = omnigen.mask_from_mod(lambda *idx: idx[2] >= idx[3], 1, 40, "cpu", tiles=[(16, 16)])  # *args binds
+    assert star.allowed_pairs == 40 * 41 // 2
+    _raises("returned shape", omnigen.mask_from_mod, lambda b, h, q, k: (q >= k)[..., :1, :1].expand(2, 3, 5),
+            1, 40, "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cpu'"):
             omnigen.mask_from_mod(lambda b, h, q, k: q >= k, 1, 40)  # the default is "cuda"
@@ -386,6 +395,9 @@ def test_interval_errors():
     _raises("uts is given without ute", omnigen.mask_from_intervals, lts, lte, uts=lts)
     _raises("integer row indices", omnigen.mask_from_intervals, lts.float(), lte)
     _raises("one shape", omnigen.mask_from_intervals, lts, lte[:, :5])
-    _raises("\\[B, S\\]", omnigen.mask_from_intervals, lts[None, None], lte[None, None])
-    error = _raises("2 problems", omnigen.mask_from_intervals, lts, lte, uts=lts.float())
-    assert len(error.problems) == 2
+    _raises("\\[B, S\\]", omnigen.mask_from_intervals, lts[None, None], lte[None, None], problems=2)  # both vectors
+    _raises("must be an integer torch.Tensor.*torch.as_tensor\\(lte\\)", omnigen.mask_from_intervals, lts,
+            lte[0].tolist())
+    _raises("integer row indices.*lts.long", omnigen.mask_from_intervals, lts.bool(), lte)
+    _raises("lts is empty", omnigen.mask_from_intervals, lts[:, :0], lte[:, :0], problems=2)
+    _raises("2 problems", omnigen.mask_from_intervals, lts, lte, uts=lts.float(), problems=2)

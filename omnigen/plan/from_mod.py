@@ -12,6 +12,7 @@ with two heads (a dependence the sample misses goes unnoticed: the mask is made 
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable
 
 import torch
@@ -60,6 +61,22 @@ class _Mod:
                               f"{tuple(shape)}; {_TENSOR_FIX}"]) from None
 
 
+def _signature_problem(mod: Callable) -> str | None:
+    """Why `mod` cannot be called as mod(b, h, q_idx, kv_idx), when its signature says so (None where it can, or
+    where Python cannot tell: builtins, some C extensions)."""
+    try:
+        signature = inspect.signature(mod)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(0, 0, 0, 0)
+    except TypeError:
+        return (f"mask_mod must take four positional arguments (b, h, q_idx, kv_idx), FlexAttention's signature; "
+                f"{getattr(mod, '__name__', 'it')}{signature} does not (a mod that ignores the batch or the head still "
+                "takes them: def mod(b, h, q_idx, kv_idx): return q_idx >= kv_idx)")
+    return None
+
+
 def _positive(name: str, value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return f"{name} must be a positive integer, not {value!r}"
@@ -104,6 +121,8 @@ def mask_from_mod(
     if not callable(mask_mod):
         problems.append(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, not "
                         f"{type_name(mask_mod)}")
+    elif _signature_problem(mask_mod):
+        problems.append(_signature_problem(mask_mod))
     if kv_len is not None and kv_len != S:
         problems.append(f"kv_len={kv_len!r}, but omnigen masks are square: keys and queries are the same S={S} "
                         "tokens (leave kv_len out)")
