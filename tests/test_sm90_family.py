@@ -179,21 +179,24 @@ def test_d256_trains_on_the_hopper_backward_with_split_columns(split):
     assert kernels.default_backward(config) == config
     assert r.hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
     assert f"sizeof(SharedStorage) == {r.hopper_shared_storage_bytes}" in backward
+    # dK and dV of 128 head dims per warpgroup: 64 accumulator registers a thread, as at d128.
     for text in ("constexpr bool kSplitColumns = true;", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-                 "wgmma_slice_values(gradient", "omnigen::atomic_add_pair(", "CUtensorMap q, k, v, d_o;"):
+                 "void wgmma_key_gradient(float (&d)[64]", "wgmma_key_gradient(gradient", "omnigen::atomic_add_pair(",
+                 "CUtensorMap q, k, v, d_o;"):
         assert text in backward, text
     # No TMA staging of dQ (no room beside K, V and two stages of Q and dO), so no ordered dQ either: deterministic
-    # mode says so instead of running anything.
-    for text in ("accumulator_map", "reduce_add_box", "dkdv_kernel(const BackwardArgs"):
-        assert text not in backward, text
+    # mode says so instead of running anything. (The staging's code is there, behind kDqByTma; no sm80 kernel.)
+    for text in ("constexpr bool kDqByTma = !kSplitColumns;", "constexpr bool kOrderedDq = false;",
+                 "constexpr bool kDqWriter = false;"):
+        assert text in backward, text
+    assert "dkdv_kernel(const BackwardArgs" not in backward
     assert "has no deterministic backward: the head_dim 256 Hopper backward (split columns) adds dQ by" in backward
 
 
 def test_split_columns_leave_the_128_key_kernel_alone():
     config = hopper(128, split_columns=True)
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
-    assert "constexpr bool kSplitColumns = false;" in backward and "wgmma_slice_values" not in backward
-    assert "reduce_add_box" in backward and "atomic_add_pair(" not in backward.split("namespace hopper")[1]
+    assert "constexpr bool kSplitColumns = false;" in backward and "void wgmma_key_gradient(float (&d)[64]" in backward
 
 
 @pytest.mark.parametrize("ordered", [False, True])
@@ -207,11 +210,12 @@ def test_ordered_dq_is_deterministic_modes_own_kernel_instance(ordered):
     names = codegen.source_names(RULES, config)
     backward, binding = sources[names["backward"]], sources[names["binding"]]
     assert f"constexpr bool kOrderedDq = {'true' if ordered else 'false'};" in binding
-    assert "hopper_dkdv_kernel<false><<<" in backward
-    assert ("hopper_dkdv_kernel<true><<<" in backward) == ordered
+    assert f"constexpr bool kOrderedDq = {'true' if ordered else 'false'};" in backward
+    # (the ordered instance is built only where kOrderedDq is true: its launch and limit are behind if constexpr)
+    assert "if constexpr (kOrderedDq)" in backward and "launch_instance<true>(" in backward
     assert ("ordered dQ off (ordered_dq=False)" in backward) == (not ordered)
-    writer = ordered or resources.Resources(config).hopper_dq_writer  # deterministic mode, or the dq_writer option
-    assert ("void write_query_gradient(" in backward) == writer
+    # The writer warp: deterministic mode's (kOrdered), or atomic order's with the dq_writer option.
+    assert "constexpr bool kDqWriter = true;" in backward and "if constexpr (kOrdered || kDqWriter)" in backward
     # Not with split columns: their dQ goes by per-thread atomics, which no counter orders.
     assert not resources.Resources(hopper(256)).hopper_ordered_dq
 

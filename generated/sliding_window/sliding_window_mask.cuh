@@ -55,8 +55,7 @@ struct MaskTables {
 
   // rules `documents: isolated`
   static constexpr bool kIsolatedDocuments = true;
-  // a key further back than the sliding window of the query's modality is never seen
-  static constexpr bool kHasWindows = true;
+  static constexpr bool kHasWindows = true;  // a key further back than the sliding window of the query's modality is never seen
 };
 constexpr bool kIsolatedDocuments = MaskTables::kIsolatedDocuments;
 

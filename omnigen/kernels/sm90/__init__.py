@@ -82,6 +82,7 @@ class Sm90Family(KernelFamily):
             "backward_problem": backward_problem,
             "deterministic_problem": deterministic_problem,
             "hopper_split_columns": r.hopper_split_columns,
+            "hopper_slice_columns": config.head_dim // 2 if r.hopper_split_columns else config.head_dim,  # dK/dV per warpgroup
             "ordered_dq": r.hopper_ordered_dq,
             "ordered_section_pairs": r.ordered_section_pairs,
             "atomic_section_pairs": r.atomic_section_pairs,
