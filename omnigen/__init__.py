@@ -22,6 +22,7 @@ if _typing.TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .plan.from_dense import mask_from_dense
     from .plan.from_intervals import mask_from_intervals
     from .plan.from_mod import mask_from_mod
+    from .plan.reorder import reorder
     from .rules import Modality, Rules, RulesError
     from .targets import KernelConfig, KernelSpec, TileConfig
 
@@ -35,7 +36,7 @@ _LAZY = {
     **dict.fromkeys(("KernelConfig", "KernelSpec", "TileConfig"), "targets"),
     **dict.fromkeys(("Kernel", "attention", "build", "mask"), "op"),  # `mask` the function, not a submodule
     # masks no rule says (omnigen.plan.ruleless): the same Mask, partial tiles from bits only
-    **dict.fromkeys(("mask_from_dense", "mask_from_intervals", "mask_from_mod"), "op"),  # op: the kernels' tiles
+    **dict.fromkeys(("mask_from_dense", "mask_from_intervals", "mask_from_mod", "reorder"), "op"),  # op: the kernels' tiles
 }
 
 
@@ -81,6 +82,6 @@ __all__ = [
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
     "InputError", "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Mask",
     "Modality", "PaddingReport", "Plan", "PlanMemoryError", "Rules", "RulesError", "mask",
-    "mask_from_dense", "mask_from_intervals", "mask_from_mod",
+    "mask_from_dense", "mask_from_intervals", "mask_from_mod", "reorder",
     "Segment", "TileConfig", "plan",
 ]

@@ -14,9 +14,10 @@ the ops run on CPU tensors (a plan-driven PyTorch path, for tests and debugging)
 from ..plan.from_dense import mask_from_dense
 from ..plan.from_intervals import mask_from_intervals
 from ..plan.from_mod import mask_from_mod
+from ..plan.reorder import reorder
 from .kernel import Kernel, attention, build, candidate_tile_shapes, forget_kernels, kernel_for, mask
 
 # The makers of masks from data live in omnigen.plan; the public names come from here, so that using one loads the
 # op layer, which tells the makers the kernels' tile shapes (plan.ruleless.set_default_tiles).
 __all__ = ["Kernel", "attention", "build", "candidate_tile_shapes", "forget_kernels", "kernel_for", "mask",
-           "mask_from_dense", "mask_from_intervals", "mask_from_mod"]
+           "mask_from_dense", "mask_from_intervals", "mask_from_mod", "reorder"]

@@ -31,7 +31,7 @@ from ..targets import KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
 from . import autograd  # registers the op's backward; EagerAttention
-from . import cpu, library, native
+from . import cpu, library, native, permute
 from .library import has_backward, on_host_path
 from .checks import check_call, check_layout_against, check_mask, check_tensors
 
@@ -74,12 +74,17 @@ _PLANNING_REASON = ("omnigen plans a plain layout on the host (a host sync): pas
 
 
 def _call_op(q, k, v, mask: Mask, kernel_key: str, scale: float, deterministic: bool, return_lse: bool):
+    reordered = mask.permutation is not None  # omnigen.reorder's mask: the kernels run in its token order
+    if reordered:
+        q, k, v = permute.into_mask_order(mask, q, k, v)
     inputs = (q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality,
               mask.token_doc, kernel_key, scale, bool(deterministic))
     # The op itself when compiling (AOTAutograd traces its registered backward); eagerly, the same op under a plain
     # Function's autograd, which costs the host a quarter as much (op/autograd.py).
     compiling = torch.compiler.is_compiling()
     out, lse = torch.ops.omnigen.attention(*inputs) if compiling else autograd.EagerAttention.apply(*inputs)
+    if reordered:
+        out, lse = permute.back_to_original(mask, out, lse)
     return (out, lse) if return_lse else out
 
 

@@ -61,6 +61,11 @@ class Mask:
 
     # True for a mask made from data (omnigen.plan.ruleless): its partial tiles exist only as bits, every one of them.
     ruleless = False
+    # A reordered mask (omnigen.reorder) holds the plan of the permuted sequence and the permutation (int64 [S] or
+    # [B, S]: reordered position i is original token permutation[..., i]) with its inverse; a call gathers q, k, v
+    # into its order and scatters the output back (op/permute.py), so callers always see the original order.
+    permutation: torch.Tensor | None = None
+    inverse_permutation: torch.Tensor | None = None
 
     def __init__(self, rules: Rules, layout: AnyLayout, tables: LayoutTables,
                  entries: dict[tuple[int, int], tuple], device: torch.device, fixed: bool) -> None:
@@ -139,8 +144,14 @@ class Mask:
         if not problems and any(a.shape != b.shape for a, b in zip(mine, theirs)):
             problems.append("schedules or partial-tile bits of another size (masks above CAPACITY_LIMIT tiles, and "
                             "masks from plain layouts, are exact-sized; omnigen.mask's partial_bits must match)")
+        mine_order, theirs_order = self.permutation, other.permutation
+        if (mine_order is None) != (theirs_order is None) or (mine_order is not None and mine_order.shape != theirs_order.shape):
+            problems.append("one is reordered (omnigen.reorder) and the other not, or their permutations differ in shape")
         if problems:
             raise ValueError("mask.copy_: the masks differ: " + "; ".join(problems))
+        if mine_order is not None:
+            self.permutation.copy_(theirs_order, non_blocking=True)
+            self.inverse_permutation.copy_(other.inverse_permutation, non_blocking=True)
         for a, b in zip(mine, theirs):
             a.copy_(b, non_blocking=True)
         self.layout, self.tables = other.layout, other.tables

@@ -1,0 +1,617 @@
+"""`reorder`: a permutation of token positions that makes a fragmented mask compact, kept only when the plan says
+it pays (Binary Block Masking's RCM step, judged by omnigen's exact tile plan).
+
+Attention with one permutation `p` applied to queries and keys alike is the same attention: with q' = q[p], k' = k[p],
+v' = v[p] and the permuted mask M'[i, j] = M[p[i], p[j]], out = scatter(attention(q', k', v', M')). When the
+allowed pairs of M are scattered in token order (a MEDUSA tree, interleaved audio/video frames with windows,
+shuffled documents) M' can cover far fewer tiles, so the kernels visit less; the price is a gather of q, k, v
+and a scatter of out (and, in the backward, a gather of dOut and scatters of dQ, dK, dV).
+
+What this module does (pure planning: tensors in, a permutation and a Mask out; the op layer applies it):
+
+1. Reads the mask once at a coarse grain: `granularity` consecutive tokens are one *atom* (a power of two <= 16,
+   so atoms never straddle a tile), and for every pair of atoms whether any pair is allowed and whether all are
+   (O((S / g)^2) booleans; the mask is evaluated in bounded slabs, never S x S at once).
+2. Proposes permutations of atoms: connected components of the atom graph (symmetrised), each kept in token
+   order; Reverse Cuthill-McKee (our own, below) over the graph; both again after putting the "hub" atoms (those
+   that touch most others, e.g. a MEDUSA prefix or global tokens) first. For a mask made from rules it also
+   proposes moving whole segments next to others of their modality where the rules make that exact (see
+   `segment_order`); that candidate stays a rules mask, which every kernel family and the CPU path run.
+3. Scores each by the tiles it visits, weighted by kind (`ReorderCosts`: full, causal, partial), per tile shape
+   the mask holds, plus the gathers' memory traffic in the same unit; the original is scored from its exact plan.
+4. Builds the winner exactly (its plan, its partial tiles' bits), scores it again exactly, and returns it only
+   if it beats token order on every tile shape by `min_gain`; otherwise a `Reordering` that says why it declined.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..errors import InputError, type_name
+from ..layout import Layout, LayoutBatch
+from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SEE_CODES, SEE_EARLIER, SEE_NONE, pair_predicate, rule_tensors
+from .masks import Mask, _reads_bits, make_mask
+from .planners import _check_device
+from .ruleless import classify_slabs, ruleless_mask, tile_shapes
+from .bits import slot_words
+from .tile_bits import unpack
+
+# The atom graph is kept as a dense boolean matrix per batch element: at most this many atoms unless the caller
+# picks a finer granularity (4096^2 booleans = 16 MiB).
+MAX_ATOMS = 4096
+GRANULARITIES = (1, 2, 4, 8, 16)
+# Mask elements evaluated at once while reading the mask (bounded temporaries).
+SLAB_ELEMENTS = 1 << 24
+# An atom that touches at least this fraction of the others is a hub (placed first in the "hubs" candidates).
+HUB_FRACTION = 0.5
+METHODS = ("auto", "rcm", "components", "segments")
+# Gathers and scatters a forward + backward with a reordered mask runs: q, k, v, out; dOut, dQ, dK, dV.
+GATHERS_PER_STEP = 8
+
+
+@dataclass(frozen=True)
+class ReorderCosts:
+    """The cost model `reorder` judges by. Unit: one full tile's forward + backward (3.5x the forward's FLOPs).
+
+    The constants are estimates to be replaced by measurements on the GPU (scripts/bench_reorder.py times the
+    calls with and without reordering, and the gathers alone): `partial` 1.2 is the acceptance bound of issue 29
+    (a partial tile costs <= 1.2x a full one); `causal` 1.0 (one integer compare per element); `flop_per_byte`
+    converts the gathers' bytes into tile work (an H100 runs attention at ~500 TFLOP/s and copies at ~2 TB/s);
+    `launch_us` is one gather or scatter's fixed cost (an eager launch); `min_gain` is the margin a permutation
+    must win by, so that the model's error never makes a call slower than not reordering."""
+
+    full: float = 1.0
+    causal: float = 1.0
+    partial: float = 1.2
+    flop_per_byte: float = 250.0
+    tflops: float = 500.0
+    launch_us: float = 5.0
+    min_gain: float = 1.1
+
+    def tiles(self, counts: dict[str, int]) -> float:
+        """Weighted visited tiles of a plan's kind counts."""
+        return self.full * counts["full"] + self.causal * counts["causal"] + self.partial * counts["partial"]
+
+    def gathers(self, B: int, S: int, block_m: int, block_n: int, heads: int, kv_heads: int, head_dim: int,
+                element_size: int) -> float:
+        """The gathers and scatters of one forward + backward in full tiles of one head: every token's q, out, dOut,
+        dQ (heads) and k, v, dK, dV (kv heads) read and written once, plus the launches."""
+        tile_flops = 3.5 * 4 * block_m * block_n * head_dim
+        per_head_bytes = B * S * head_dim * element_size * 2 * (4 + 4 * kv_heads / heads)
+        traffic = per_head_bytes * self.flop_per_byte / tile_flops
+        launches = GATHERS_PER_STEP * self.launch_us * 1e-6 * self.tflops * 1e12 / (tile_flops * heads)
+        return traffic + launches
+
+
+@dataclass
+class Reordering:
+    """What `reorder` found. True (`bool(result)`) when it proposes a permutation.
+
+    `permutation`: int64 [S] (every batch element the same) or [B, S]: position i of the reordered sequence holds
+    the original token `permutation[..., i]`; `inverse` undoes it. `mask`: the permuted mask, carrying both, to
+    pass to `omnigen.attention(q, k, v, result.mask)` with q, k, v in the ORIGINAL order (the call gathers and
+    scatters). `costs`: per tile shape, (original, reordered, gathers) in full-tile units (`ReorderCosts`);
+    `candidates`: each proposal's estimated visited-tile cost on the first tile shape."""
+
+    accepted: bool
+    reason: str
+    method: str | None = None
+    permutation: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
+    mask: Mask | None = None
+    costs: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
+    candidates: dict[str, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+    @property
+    def gain(self) -> float | None:
+        """The estimated speed-up of the reordered call (its worst tile shape), gathers included."""
+        gains = [original / (mine + gathers) for original, mine, gathers in self.costs.values() if mine is not None]
+        return min(gains) if gains else None
+
+    def __repr__(self) -> str:
+        verdict = f"accepted ({self.method})" if self.accepted else "declined"
+        return f"omnigen.Reordering({verdict}: {self.reason})"
+
+
+# ---- reading the mask ---------------------------------------------------------------------------------------
+
+Evaluator = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _dense_evaluator(dense: torch.Tensor) -> Evaluator:
+    return lambda b0, b1, rows, cols: dense[b0:b1][:, rows][:, :, cols]
+
+
+def _mod_evaluator(mod: Callable, device: torch.device) -> Evaluator:
+    from .from_mod import _Mod
+
+    call = _Mod(mod, device)
+    return lambda b0, b1, rows, cols: call(torch.arange(b0, b1, device=device)[:, None, None], rows[None, :, None],
+                                           cols[None, None, :])
+
+
+def _rules_evaluator(mask: Mask) -> Evaluator:
+    rules, tables = mask.rules, mask.tables
+    rule_t = rule_tensors(rules, mask.device)
+    return lambda b0, b1, rows, cols: pair_predicate(rules, tables, torch.arange(b0, b1, device=rows.device)[:, None, None],
+                                                     rows[None, :, None], cols[None, None, :], rule_t)
+
+
+def _bits_evaluator(mask: Mask) -> Evaluator:
+    """A mask made from data, read back from its first tile shape: kinds from the plan, partial tiles from their bits
+    (slots in row-major order of the partial tiles, as plan.ruleless lays them out)."""
+    block_m, block_n = mask.tiles[0]
+    plan = mask.plan(block_m, block_n)
+    kinds = plan.kinds.reshape(mask.batch_size, plan.num_q_tiles, plan.num_kv_tiles).long()
+    partial = kinds == PARTIAL
+    slot = (partial.reshape(-1).cumsum(0) - 1).clamp(min=0).view_as(kinds)
+    count = int(partial.sum())
+    words = mask.schedules[5]  # SCHEDULE_TENSORS: the forward's partial_bits of the first tile shape
+    per_slot = slot_words(block_m, block_n, False)
+    blocks = unpack(words[: count * per_slot], block_m, block_n) if count else None
+
+    def evaluate(b0: int, b1: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        ti, tj = rows // block_m, cols // block_n
+        kind = kinds[b0:b1][:, ti[:, None], tj[None, :]]
+        out = (kind == FULL) | ((kind == CAUSAL) & (cols[None, :] <= rows[:, None]))
+        if blocks is not None:
+            found = blocks[slot[b0:b1][:, ti[:, None], tj[None, :]], (rows % block_m)[:, None], (cols % block_n)[None, :]]
+            out |= (kind == PARTIAL) & found
+        return out
+
+    return evaluate
+
+
+@dataclass
+class _Source:
+    """The mask being reordered: its Mask (token order), how to evaluate any pairs of it, and where it lives."""
+
+    mask: Mask
+    evaluate: Evaluator
+    device: torch.device
+
+    @property
+    def B(self) -> int:
+        return self.mask.batch_size
+
+    @property
+    def S(self) -> int:
+        return self.mask.seq_len
+
+
+def _atoms(source: _Source, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, all): bool [B, n, n] per pair of atoms (query atom x key atom), n = ceil(S / g). Positions past S
+    count as allowed for `all` (they do not exist) and as not allowed for `any`."""
+    B, S, device = source.B, source.S, source.device
+    n = -(-S // g)
+    any_ = torch.zeros(B, n, n, dtype=torch.bool, device=device)
+    all_ = torch.zeros(B, n, n, dtype=torch.bool, device=device)
+    cols = torch.arange(S, device=device)
+    per = max(1, SLAB_ELEMENTS // (g * n * g))  # query atoms per slab
+    for b in range(B):
+        for a0 in range(0, n, per):
+            a1 = min(n, a0 + per)
+            rows = torch.arange(a0 * g, min(S, a1 * g), device=device)
+            block = source.evaluate(b, b + 1, rows, cols)[0]
+            padded_any = torch.zeros(( a1 - a0) * g, n * g, dtype=torch.bool, device=device)
+            padded_all = torch.ones_like(padded_any)
+            padded_any[: rows.numel(), :S] = block
+            padded_all[: rows.numel(), :S] = block
+            any_[b, a0:a1] = padded_any.view(a1 - a0, g, n, g).any(3).any(1)
+            all_[b, a0:a1] = padded_all.view(a1 - a0, g, n, g).all(3).all(1)
+    return any_, all_
+
+
+# ---- permutations of atoms ----------------------------------------------------------------------------------
+
+
+def _bfs_levels(adjacency: np.ndarray, start: int, allowed: np.ndarray) -> list[np.ndarray]:
+    """Breadth-first levels from `start` over the nodes where `allowed` is True."""
+    seen = ~allowed.copy()
+    seen[start] = True
+    levels = [np.array([start])]
+    while True:
+        reached = adjacency[levels[-1]].any(0) & ~seen
+        if not reached.any():
+            return levels
+        seen |= reached
+        levels.append(np.flatnonzero(reached))
+
+
+def _peripheral(adjacency: np.ndarray, degree: np.ndarray, component: np.ndarray) -> int:
+    """A pseudo-peripheral node of a component (George and Liu): start at a node of least degree, go to a node of
+    least degree in the last BFS level while that makes the BFS deeper."""
+    nodes = np.flatnonzero(component)
+    start = int(nodes[np.argmin(degree[nodes])])
+    depth = len(_bfs_levels(adjacency, start, component))
+    for _ in range(8):  # converges in a couple of steps in practice
+        last = _bfs_levels(adjacency, start, component)[-1]
+        candidate = int(last[np.argmin(degree[last])])
+        deeper = len(_bfs_levels(adjacency, candidate, component))
+        if deeper <= depth:
+            break
+        start, depth = candidate, deeper
+    return start
+
+
+def components(adjacency: np.ndarray, nodes: np.ndarray) -> list[np.ndarray]:
+    """The connected components among `nodes` (a bool mask), each as ascending node numbers, ordered by their first
+    node."""
+    left = nodes.copy()
+    found = []
+    while left.any():
+        start = int(np.argmax(left))
+        members = np.concatenate(_bfs_levels(adjacency, start, left))
+        left[members] = False
+        found.append(np.sort(members))
+    return found
+
+
+def reverse_cuthill_mckee(adjacency: np.ndarray, nodes: np.ndarray | None = None) -> np.ndarray:
+    """The Reverse Cuthill-McKee order of a symmetric graph (dense bool adjacency, no self loops), restricted to
+    `nodes` (bool mask; default all). Each component from a pseudo-peripheral node; a node's unvisited neighbours are
+    appended by increasing degree (ties: by number, so the result is deterministic); the whole order reversed."""
+    n = adjacency.shape[0]
+    nodes = np.ones(n, dtype=bool) if nodes is None else nodes
+    degree = (adjacency & nodes[None, :]).sum(1)
+    order: list[int] = []
+    left = nodes.copy()
+    while left.any():
+        component = np.zeros(n, dtype=bool)
+        component[np.concatenate(_bfs_levels(adjacency, int(np.argmax(left)), left))] = True
+        start = _peripheral(adjacency, degree, component)
+        left[start] = False
+        queue = [start]
+        head = 0
+        while head < len(queue):
+            node = queue[head]
+            head += 1
+            fresh = np.flatnonzero(adjacency[node] & left)
+            if fresh.size:
+                fresh = fresh[np.argsort(degree[fresh], kind="stable")]
+                left[fresh] = False
+                queue.extend(fresh.tolist())
+        order.extend(queue)
+    return np.array(order[::-1], dtype=np.int64)
+
+
+def _atom_candidates(any_b: np.ndarray, movable: int) -> dict[str, np.ndarray]:
+    """Permutations of the first `movable` atoms of one batch element (the rest stay last, in order)."""
+    n = any_b.shape[0]
+    graph = any_b[:movable, :movable] | any_b[:movable, :movable].T
+    np.fill_diagonal(graph, False)
+    everything = np.ones(movable, dtype=bool)
+    out = {"components": np.concatenate(components(graph, everything)) if movable else np.zeros(0, np.int64),
+           "rcm": reverse_cuthill_mckee(graph, everything)}
+    degree = graph.sum(1)
+    hubs = degree >= HUB_FRACTION * max(1, movable - 1)
+    if hubs.any() and not hubs.all():
+        first = np.flatnonzero(hubs)
+        out["hubs+components"] = np.concatenate([first, *components(graph, ~hubs)])
+        out["hubs+rcm"] = np.concatenate([first, reverse_cuthill_mckee(graph, ~hubs)])
+    tail = np.arange(movable, n)
+    return {name: np.concatenate([p, tail]).astype(np.int64) for name, p in out.items()}
+
+
+def _tokens(atom_perm: torch.Tensor, g: int, S: int) -> torch.Tensor:
+    """The token permutation [S] of an atom permutation (a short last atom is last: dropping the positions past S
+    keeps the order)."""
+    tokens = (atom_perm[:, None] * g + torch.arange(g, device=atom_perm.device)).reshape(-1)
+    return tokens[tokens < S]
+
+
+def _estimated_tiles(any_b: torch.Tensor, all_b: torch.Tensor, p: torch.Tensor, g: int, S: int, block_m: int,
+                     block_n: int, costs: ReorderCosts) -> float:
+    """Weighted tiles of the mask permuted by atoms `p` (one batch element): a tile with no allowed atom pair is
+    empty, one whose atom pairs are all full is full, the rest count as partial (a causal tile is counted as partial:
+    the estimate errs against reordering; the winner is scored exactly)."""
+    n = p.numel()
+    a = any_b[p][:, p]
+    f = all_b[p][:, p]
+    rm, rn = block_m // g, block_n // g
+    nq, nk = -(-n // rm), -(-n // rn)
+    pa = torch.zeros(nq * rm, nk * rn, dtype=torch.bool, device=a.device)
+    pf = torch.ones_like(pa)
+    pa[:n, :n], pf[:n, :n] = a, f
+    visited = pa.view(nq, rm, nk, rn).any(3).any(1)
+    full = pf.view(nq, rm, nk, rn).all(3).all(1) & visited
+    return costs.full * float(full.sum()) + costs.partial * float((visited & ~full).sum())
+
+
+# ---- segments of a rules layout -----------------------------------------------------------------------------
+
+
+def segment_order(rules, layout: Layout) -> list[int] | None:
+    """A new order of `layout`'s segments that groups segments of one modality, or None when the rules allow no
+    move (or the best order is the original). Exact by construction: the permuted layout under the same rules gives
+    exactly the permuted mask, because
+
+    - a segment stays contiguous and in its own order (its `self` policy and its window inside it are unchanged);
+    - documents stay where they are (ids must not decrease); segments move only inside their document;
+    - two segments A before B that can see each other keep that order when their pair depends on it: a `see` of
+      `earlier` in either direction (`none` and `all` do not depend on the order);
+    - where a windowed modality may see another segment (inside its document, or anywhere with
+      `documents: shared`), nothing that can change its distances moves: its document keeps its order (shared: the
+      whole layout), unless the window is at least that span's length (it never cuts).
+    Pad segments see nothing and are seen by nothing: they move freely (grouped like a modality)."""
+    n_mod = len(rules.modalities)
+    see = np.array([[SEE_CODES[p] for p in row] for row in rules.see_matrix()], dtype=np.int64).reshape(n_mod, n_mod)
+    window = np.array([m.window for m in rules.modalities], dtype=np.int64)
+    segments = list(layout.segments)
+    ids = np.array([rules.modality_id(s[0]) for s in segments], dtype=np.int64)
+    groups: list[list[int]] = []
+    for index, segment in enumerate(segments):
+        if groups and segments[groups[-1][-1]][2] == segment[2]:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    if not rules.isolated_documents and _window_pins(rules, ids, see, window, layout.seq_len):
+        return None
+    order: list[int] = []
+    for group in groups:
+        members = ids[group]
+        if rules.isolated_documents and _window_pins(rules, members, see, window, sum(segments[i][1] for i in group)):
+            order.extend(group)
+        else:
+            order.extend(group[i] for i in _grouped(rules, members, see))
+    return None if order == list(range(len(segments))) else order
+
+
+def _window_pins(rules, ids: np.ndarray, see: np.ndarray, window: np.ndarray, span: int) -> bool:
+    """Whether a segment of a windowed modality (window shorter than `span`) may see another segment of `ids`."""
+    real = ids != rules.pad_id
+    safe = np.where(real, ids, 0)
+    windowed = real & (window[safe] > 0) & (window[safe] < span)
+    sees = (see[safe[:, None], safe[None, :]] != SEE_NONE) & real[:, None] & real[None, :]
+    np.fill_diagonal(sees, False)
+    return bool((windowed[:, None] & sees).any())
+
+
+def _grouped(rules, ids: np.ndarray, see: np.ndarray) -> list[int]:
+    """Positions 0..k-1 of one document's segments in a grouped order: greedily the next segment of the last one's
+    modality whose bound predecessors are placed, else the first placeable one."""
+    k = len(ids)
+    if k < 3:
+        return list(range(k))
+    real = ids != rules.pad_id
+    safe = np.where(real, ids, 0)
+    forward = see[safe[:, None], safe[None, :]]  # [query segment, key segment]
+    # A before B (A < B) stays so when either direction's policy is `earlier`.
+    bound = np.triu(real[:, None] & real[None, :] & ((forward == SEE_EARLIER) | (forward.T == SEE_EARLIER)), 1)
+    waiting = bound.sum(0).astype(np.int64)  # bound predecessors not placed yet
+    placed = np.zeros(k, dtype=bool)
+    out: list[int] = []
+    last = -1
+    for _ in range(k):
+        ready = np.flatnonzero(~placed & (waiting == 0))
+        same = ready[ids[ready] == last]
+        pick = int(same[0] if same.size else ready[0])
+        placed[pick] = True
+        waiting -= bound[pick]
+        last = int(ids[pick])
+        out.append(pick)
+    return out
+
+
+def _segment_candidate(mask: Mask) -> tuple[torch.Tensor, Mask] | None:
+    """(token permutation [B, S], the regrouped rules mask) or None."""
+    layout = mask.layout
+    layouts = list(layout.layouts) if isinstance(layout, LayoutBatch) else [layout]
+    if len(layouts) != mask.batch_size:  # pragma: no cover - make_mask repeats a Layout into a LayoutBatch
+        layouts = layouts * mask.batch_size
+    new_layouts, perms, moved = [], [], False
+    for item in layouts:
+        order = segment_order(mask.rules, item)
+        starts = np.concatenate([[0], np.cumsum([s[1] for s in item.segments])])
+        order = order if order is not None else list(range(len(item.segments)))
+        moved |= order != list(range(len(item.segments)))
+        perms.append(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order]))
+        new_layouts.append(Layout([item.segments[i] for i in order]))
+    if not moved:
+        return None
+    new_layout = LayoutBatch(new_layouts) if isinstance(layout, LayoutBatch) else new_layouts[0]
+    regrouped = make_mask(mask.rules, new_layout, mask.tiles, mask.device)
+    return torch.from_numpy(np.stack(perms)).to(mask.device), regrouped
+
+
+# ---- the entry point ----------------------------------------------------------------------------------------
+
+
+def _source(mask_or_mod, B, S, device, tiles, head_dim, dtype) -> _Source:
+    if isinstance(mask_or_mod, Mask):
+        if B is not None or S is not None:
+            raise InputError(["B and S come from the mask: pass omnigen.reorder(mask) alone (B and S are for a "
+                              "mask_mod)"])
+        if getattr(mask_or_mod, "permutation", None) is not None:
+            raise InputError(["this mask is already reordered (it carries a permutation): reorder the original mask"])
+        evaluate = _bits_evaluator(mask_or_mod) if mask_or_mod.ruleless else _rules_evaluator(mask_or_mod)
+        return _Source(mask_or_mod, evaluate, mask_or_mod.device)
+    if isinstance(mask_or_mod, torch.Tensor):
+        from .from_dense import mask_from_dense
+
+        made = mask_from_dense(mask_or_mod, device=device, tiles=tiles, head_dim=head_dim, dtype=dtype)
+        dense = mask_or_mod.to(made.device)
+        dense = dense[None] if dense.dim() == 2 else dense
+        return _Source(made, _dense_evaluator(dense), made.device)
+    if callable(mask_or_mod):
+        if B is None or S is None:
+            raise InputError(["a mask_mod needs the batch size and sequence length: omnigen.reorder(mask_mod, B, S)"])
+        from .from_mod import mask_from_mod
+
+        device = _check_device(device if device is not None else "cuda")
+        made = mask_from_mod(mask_or_mod, B, S, device, tiles=tiles, head_dim=head_dim, dtype=dtype)
+        return _Source(made, _mod_evaluator(mask_or_mod, made.device), made.device)
+    raise InputError([f"reorder takes an omnigen Mask, a mask_mod(b, h, q_idx, kv_idx) with B and S, or a dense "
+                      f"boolean [B, S, S] / [S, S] tensor, not {type_name(mask_or_mod)}"])
+
+
+def _granularity(granularity: int | None, S: int, shapes: Iterable[tuple[int, int]]) -> int:
+    smallest = min(min(m, n) for m, n in shapes)
+    if granularity is None:
+        for g in GRANULARITIES:
+            if -(-S // g) <= MAX_ATOMS or g * 2 > smallest:
+                return g
+        return GRANULARITIES[-1]
+    if isinstance(granularity, bool) or granularity not in GRANULARITIES or smallest % granularity:
+        raise InputError([f"granularity must be one of {', '.join(map(str, GRANULARITIES))} dividing every tile side "
+                          f"(smallest {smallest}), not {granularity!r}"])
+    return granularity
+
+
+def _exact_costs(mask: Mask, costs: ReorderCosts) -> dict[tuple[int, int], float]:
+    return {shape: costs.tiles(mask.plan(*shape).counts()) for shape in mask.tiles}
+
+
+def _permuted_mask(source: _Source, perm: torch.Tensor, partial_bits) -> Mask:
+    """The mask made from data of `source` permuted by the token permutation `perm` [B, S] (exact)."""
+    B, S, device = source.B, source.S, source.device
+
+    def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
+        return torch.cat([source.evaluate(b, b + 1, perm[b, r0:r1], perm[b]) for b in range(b0, b1)])
+
+    plans = [classify_slabs(slab, B, S, m, n, device) for m, n in source.mask.tiles]
+    return ruleless_mask(plans, B, S, source.mask.batched, device, partial_bits)
+
+
+def _attach(mask: Mask, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give `mask` its permutation ([S] when every batch element has the same one) and its inverse."""
+    if perm.shape[0] == 1 or bool((perm == perm[:1]).all()):
+        perm = perm[0]
+    perm = perm.contiguous()
+    inverse = torch.empty_like(perm)
+    inverse.scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm).contiguous())
+    mask.permutation, mask.inverse_permutation = perm, inverse
+    return perm, inverse
+
+
+def reorder(
+    mask_or_mod: Mask | Callable | torch.Tensor,
+    B: int | None = None,
+    S: int | None = None,
+    *,
+    method: str = "auto",
+    granularity: int | None = None,
+    costs: ReorderCosts | None = None,
+    heads: int = 16,
+    kv_heads: int | None = None,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    tiles: Iterable[tuple[int, int]] | None = None,
+    partial_bits: int | str = "exact",
+    rules_only: bool | None = None,
+) -> Reordering:
+    """Propose a permutation of token positions that makes the mask visit fewer (weighted) tiles, and keep it only
+    when it wins, the gathers counted. Returns a `Reordering`: truthy with `.mask` (pass it to `omnigen.attention`
+    with q, k, v in the original order) and `.permutation`, or falsy with `.reason`.
+
+    `mask_or_mod`: an omnigen Mask (from rules or from data), a dense bool [B, S, S] / [S, S] tensor, or a
+    FlexAttention-style mask_mod with `B` and `S` (then `device`, `tiles`, `head_dim`, `dtype` as for
+    `omnigen.mask_from_mod`). `method`: "auto" (every proposal, the best wins), "rcm" (Reverse Cuthill-McKee),
+    "components" (connected components, each in token order), "segments" (rules masks: whole segments grouped by
+    modality where the rules make that exact; the result stays a rules mask). `granularity`: tokens per atom of the
+    graph (a power of two <= 16; default the finest with at most MAX_ATOMS atoms). `heads`, `kv_heads`, `head_dim`,
+    `dtype`: the calls' shapes, for the gathers' cost. `costs`: the cost model (`ReorderCosts`). `partial_bits`: the
+    reordered mask's bit slots (as for `omnigen.mask_from_dense`). `rules_only`: for a rules mask, propose only
+    regrouped segments (a rules mask, which every kernel family runs), not permutations of tokens (a mask made from
+    data, which only kernels that read partial tiles' bits run: Hopper's and the CPU path); default True on a CUDA
+    device whose kernels do not read bits, else False."""
+    problems = []
+    if method not in METHODS:
+        problems.append(f"method must be one of {', '.join(repr(m) for m in METHODS)}, not {method!r}")
+    if costs is not None and not isinstance(costs, ReorderCosts):
+        problems.append(f"costs must be omnigen.plan.reorder.ReorderCosts, not {type_name(costs)}")
+    for name, value in (("heads", heads), ("head_dim", head_dim)) + ((("kv_heads", kv_heads),) if kv_heads else ()):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name} must be a positive integer, not {value!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        problems.append(f"dtype must be a floating torch.dtype (the calls' q/k/v dtype), not {dtype!r}")
+    if problems:
+        raise InputError(problems)
+    costs = costs or ReorderCosts()
+    kv_heads = kv_heads or heads
+    source = _source(mask_or_mod, B, S, device, tiles, head_dim if not isinstance(mask_or_mod, Mask) else None,
+                     dtype if dtype in (torch.bfloat16, torch.float16) else None)
+    mask = source.mask
+    if method == "segments" and mask.ruleless:
+        raise InputError(["method='segments' regroups a rules layout's segments; this mask was made from data (use "
+                          "'rcm', 'components' or 'auto')"])
+    if rules_only is None:
+        rules_only = mask.device.type == "cuda" and not _reads_bits(mask.device)
+    B, S, shapes = source.B, source.S, list(mask.tiles)
+    element = torch.empty((), dtype=dtype).element_size()
+    gathers = {s: costs.gathers(B, S, s[0], s[1], heads, kv_heads, head_dim, element) for s in shapes}
+    original = _exact_costs(mask, costs)
+    first = shapes[0]
+
+    proposals: dict[str, tuple[torch.Tensor, Mask | None, dict[tuple[int, int], float] | None]] = {}
+    estimates: dict[str, float] = {}
+    if method in ("auto", "segments") and not mask.ruleless:
+        found = _segment_candidate(mask)
+        if found is not None:
+            perm, regrouped = found
+            exact = _exact_costs(regrouped, costs)
+            proposals["segments"], estimates["segments"] = (perm, regrouped, exact), exact[first]
+    if method in ("auto", "rcm", "components") and not (rules_only and not mask.ruleless):
+        g = _granularity(granularity, S, shapes)
+        any_, all_ = _atoms(source, g)
+        n = any_.shape[1]
+        movable = n if S % g == 0 else n - 1  # a short last atom stays last (tiles stay aligned)
+        per_batch = [_atom_candidates(any_[b].cpu().numpy(), movable) for b in range(B)]
+        names = [name for name in per_batch[0] if method == "auto" or name == method or name.endswith("+" + method)]
+        names = [name for name in names if all(name in c for c in per_batch)]
+        identity = np.arange(n)
+        for name in names:
+            atom_perms = [torch.from_numpy(c[name]).to(source.device) for c in per_batch]
+            if all(np.array_equal(c[name], identity) for c in per_batch):
+                continue
+            estimate = {s: sum(_estimated_tiles(any_[b], all_[b], atom_perms[b], g, S, s[0], s[1], costs)
+                               for b in range(B)) for s in shapes}
+            tokens = torch.stack([_tokens(p, g, S) for p in atom_perms])
+            proposals[name], estimates[name] = (tokens, None, estimate), estimate[first]
+
+    result = Reordering(False, "", candidates=dict(estimates))
+    if not proposals:
+        result.reason = ("no permutation to propose: the mask's graph keeps token order (one component, and Reverse "
+                         "Cuthill-McKee finds token order)" if method != "segments" else
+                         "the rules allow no segment to move (or the order is already grouped)")
+        result.costs = {s: (original[s], None, gathers[s]) for s in shapes}
+        return result
+
+    def worst_gain(scores: dict[tuple[int, int], float]) -> float:
+        return min(original[s] / max(scores[s] + gathers[s], 1e-9) for s in shapes)
+
+    # Rules masks run everywhere: the regrouped layout wins ties with a mask made from data.
+    ranked = sorted(proposals, key=lambda name: (-worst_gain(proposals[name][2]), name != "segments"))
+    best = ranked[0]
+    perm, made, scores = proposals[best]
+    if worst_gain(scores) < costs.min_gain:
+        result.reason = (f"not worth it: the best proposal ({best}) would visit {scores[first]:.0f} weighted "
+                         f"{first[0]}x{first[1]} tiles against {original[first]:.0f} in token order, plus gathers "
+                         f"worth {gathers[first]:.0f} tiles: {worst_gain(scores):.2f}x, below the {costs.min_gain}x "
+                         "a reordering must win by")
+        result.costs = {s: (original[s], scores[s], gathers[s]) for s in shapes}
+        return result
+    if made is None:
+        made = _permuted_mask(source, perm, partial_bits)
+        scores = _exact_costs(made, costs)  # the estimate counted causal tiles as partial; now exact
+    result.costs = {s: (original[s], scores[s], gathers[s]) for s in shapes}
+    if worst_gain(scores) < costs.min_gain:  # pragma: no cover - the estimate errs against reordering
+        result.reason = f"the exact plan of {best} wins only {worst_gain(scores):.2f}x"
+        return result
+    result.permutation, result.inverse = _attach(made, perm)
+    result.accepted, result.method, result.mask = True, best, made
+    result.reason = (f"{best}: {scores[first]:.0f} weighted {first[0]}x{first[1]} tiles instead of "
+                     f"{original[first]:.0f}, gathers {gathers[first]:.0f}: {worst_gain(scores):.2f}x")
+    return result
+
+
+__all__ = ["Reordering", "ReorderCosts", "components", "reorder", "reverse_cuthill_mckee", "segment_order"]

@@ -1,0 +1,386 @@
+"""omnigen.reorder (issue 29 item 4): permutations of token positions for fragmented masks, judged by the plan.
+
+Fast CPU tests at small S: Reverse Cuthill-McKee and components on known graphs; reordering a fragmented mask
+(shuffled documents, a shuffled MEDUSA-like tree, interleaved audio/video frames with windows) lowers the visited
+tiles and its mask is exactly the permuted one; compact masks are declined; attention through a reordered mask equals
+the unreordered call and a float64 reference, forward and backward; the segment grouping of rules layouts is exact
+(hypothesis); clear errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import omnigen
+from omnigen.plan.reorder import ReorderCosts, components, reverse_cuthill_mckee, segment_order
+from strategies import layouts as layout_strategy
+from strategies import rules as rules_strategy
+
+TILES = [(32, 32), (32, 64)]
+# Gathers priced at almost nothing: at these small S the default GPU model (fixed launch costs) declines everything,
+# which would hide whether the plan itself wins.
+CHEAP = ReorderCosts(launch_us=0.0, flop_per_byte=1.0)
+
+
+def _visited(mask: omnigen.Mask, shape=(32, 32)) -> int:
+    counts = mask.plan(*shape).counts()
+    return counts["full"] + counts["causal"] + counts["partial"]
+
+
+def _shuffled(dense: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    perm = torch.randperm(dense.shape[-1], generator=torch.Generator().manual_seed(seed))
+    return dense[..., perm, :][..., :, perm]
+
+
+def _documents(S: int, size: int) -> torch.Tensor:
+    doc = torch.arange(S) // size
+    pos = torch.arange(S)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def _medusa(S: int, prefix: int, seed: int = 1) -> torch.Tensor:
+    """A causal prefix, then tree nodes that see the prefix and their ancestors (random parents among the nodes)."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.ones(S, S, dtype=torch.bool).tril()
+    allowed[prefix:, prefix:] = False
+    for node in range(prefix, S):
+        allowed[node, node] = True
+        if node > prefix:
+            parent = int(torch.randint(prefix, node, (1,), generator=gen))
+            allowed[node, prefix:] |= allowed[parent, prefix:]
+    return allowed
+
+
+def _frames(S: int, frame: int, window: int):
+    """Interleaved audio and video frames of `frame` tokens; each modality sees its own earlier frames within a
+    window (in token positions), nothing of the other."""
+    kind = (torch.arange(S) // frame) % 2
+
+    def mod(b, h, q, k):
+        return (kind[q] == kind[k]) & (k <= q) & (q - k < window)
+
+    pos = torch.arange(S)
+    return mod, mod(0, 0, pos[:, None], pos[None, :])
+
+
+def _reference(q, k, v, allowed, d_out):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, 1) for t in (k64, v64))
+    scores = (q64 @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1).nan_to_num(0.0)
+    out = p @ vv
+    out.backward(d_out)
+    return out, (q64.grad, k64.grad, v64.grad)
+
+
+def _inputs(B, Hq, Hkv, S, D=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.randn(B, Hq, S, D, dtype=torch.float64, generator=gen)
+
+
+def _ruleless_runs_on_cpu() -> bool:
+    mask = omnigen.mask_from_dense(torch.ones(32, 32, dtype=torch.bool).tril(), tiles=[(16, 16)])
+    q = torch.randn(1, 1, 32, 16)
+    try:
+        omnigen.attention(q, q, q, mask)
+    except ValueError:
+        return False
+    return True
+
+
+# ---- the graph algorithms ------------------------------------------------------------------------------------
+
+
+def _bandwidth(adjacency: np.ndarray, order: np.ndarray) -> int:
+    permuted = adjacency[order][:, order]
+    rows, cols = np.nonzero(permuted)
+    return int(np.abs(rows - cols).max()) if rows.size else 0
+
+
+def test_rcm_recovers_a_shuffled_band():
+    n = 60
+    band = np.abs(np.arange(n)[:, None] - np.arange(n)[None, :]) <= 2
+    np.fill_diagonal(band, False)
+    shuffle = np.random.default_rng(0).permutation(n)
+    shuffled = band[shuffle][:, shuffle]
+    assert _bandwidth(shuffled, np.arange(n)) > 20
+    order = reverse_cuthill_mckee(shuffled)
+    assert sorted(order.tolist()) == list(range(n))
+    assert _bandwidth(shuffled, order) <= 4
+
+
+def test_components_and_rcm_on_disconnected_graphs():
+    graph = np.zeros((7, 7), dtype=bool)
+    for a, b in ((0, 3), (3, 5), (1, 6), (2, 4)):
+        graph[a, b] = graph[b, a] = True
+    found = components(graph, np.ones(7, dtype=bool))
+    assert [c.tolist() for c in found] == [[0, 3, 5], [1, 6], [2, 4]]
+    order = reverse_cuthill_mckee(graph)
+    assert sorted(order.tolist()) == list(range(7))
+    # each component is contiguous in the RCM order
+    position = {node: i for i, node in enumerate(order.tolist())}
+    for c in found:
+        spots = sorted(position[x] for x in c.tolist())
+        assert spots == list(range(spots[0], spots[0] + len(spots)))
+    assert reverse_cuthill_mckee(np.zeros((0, 0), dtype=bool)).tolist() == []
+
+
+# ---- fragmented masks are reordered, exactly -----------------------------------------------------------------
+
+
+def _check_exact(result, dense: torch.Tensor) -> None:
+    """The reordered mask is the permuted mask: the same plans and bits as the permuted dense mask's."""
+    perm = result.permutation
+    assert sorted(perm.tolist()) == list(range(dense.shape[-1]))
+    assert torch.equal(result.inverse[perm], torch.arange(dense.shape[-1]))
+    want = omnigen.mask_from_dense(dense[perm][:, perm], tiles=TILES)
+    for shape in TILES:
+        assert torch.equal(result.mask.plan(*shape).kinds, want.plan(*shape).kinds)
+        assert result.mask.plan(*shape).allowed_pairs == want.plan(*shape).allowed_pairs
+    for mine, theirs in zip(result.mask.schedules, want.schedules):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("name", ["documents", "medusa", "frames"])
+def test_fragmented_masks_get_fewer_tiles(name):
+    S = 384
+    if name == "documents":
+        dense = _shuffled(_documents(S, 48))
+    elif name == "medusa":
+        dense = _shuffled(_medusa(S, 64))
+    else:
+        dense = _frames(S, 24, 100)[1]
+    base = omnigen.mask_from_dense(dense, tiles=TILES)
+    result = omnigen.reorder(base, costs=CHEAP)
+    assert result, result.reason
+    assert result.mask.permutation is result.permutation
+    assert _visited(result.mask) < _visited(base)
+    assert result.gain is not None and result.gain >= CHEAP.min_gain
+    _check_exact(result, dense)
+    # the same answer from the dense tensor itself and (frames) from the mask_mod
+    again = omnigen.reorder(dense, tiles=TILES, costs=CHEAP)
+    assert again and torch.equal(again.permutation, result.permutation)
+    if name == "frames":
+        from_mod = omnigen.reorder(_frames(S, 24, 100)[0], 1, S, device="cpu", tiles=TILES, costs=CHEAP)
+        assert from_mod and torch.equal(from_mod.permutation, result.permutation)
+
+
+def test_the_default_cost_model_counts_the_gathers():
+    # At S = 384 the gathers' fixed costs outweigh a few dozen tiles: the default GPU model declines, and says why.
+    dense = _shuffled(_documents(384, 48))
+    result = omnigen.reorder(dense, tiles=TILES)
+    assert not result and "gathers" in result.reason and result.mask is None and result.permutation is None
+    original, reordered, gathers = result.costs[TILES[0]]
+    assert reordered < original < reordered + gathers
+
+
+@pytest.mark.parametrize("name", ["causal", "causal_documents", "sliding_window", "window_globals"])
+def test_compact_masks_are_declined(name):
+    S = 384
+    pos = torch.arange(S)
+    causal = pos[None, :] <= pos[:, None]
+    dense = {
+        "causal": causal,
+        "causal_documents": _documents(S, 80),
+        "sliding_window": causal & (pos[:, None] - pos[None, :] < 64),
+        "window_globals": causal & ((pos[:, None] - pos[None, :] < 64) | (pos[None, :] < 8)),
+    }[name]
+    result = omnigen.reorder(dense, tiles=TILES, costs=CHEAP)
+    assert not result, result
+    assert result.reason and result.mask is None
+
+
+def test_compact_rules_layouts_are_declined():
+    rules = omnigen.Rules(name="tf", modalities={"text": "causal", "image": "full"})
+    layout = omnigen.Layout.from_segments([("text", 40), ("image", 96), ("text", 30), ("image", 64), ("text", 26, 1)])
+    mask = omnigen.mask(rules, layout, device="cpu", tiles=TILES)
+    result = omnigen.reorder(mask, costs=CHEAP)
+    assert not result, result
+
+
+def test_batches_get_one_permutation_each():
+    S = 256
+    dense = torch.stack([_shuffled(_documents(S, 32), seed) for seed in (0, 1)])
+    result = omnigen.reorder(dense, tiles=TILES, costs=CHEAP)
+    assert result and result.permutation.shape == (2, S)
+    for b in range(2):
+        perm = result.permutation[b]
+        want = omnigen.mask_from_dense(dense[b][perm][:, perm], tiles=TILES)
+        assert torch.equal(result.mask.plan(32, 32).kinds[b], want.plan(32, 32).kinds)
+    # an [S, S] mask repeated over a batch: one shared permutation
+    shared = omnigen.reorder(omnigen.mask_from_dense(dense[0], batch=3, tiles=TILES), costs=CHEAP)
+    assert shared and shared.permutation.shape == (S,)
+
+
+def test_a_short_last_atom_stays_last():
+    S = 200  # not a multiple of the atom (16 is not forced; granularity 8 leaves a tail of 0 -- use 16)
+    dense = _shuffled(_documents(S, 40))
+    result = omnigen.reorder(dense, tiles=[(32, 32)], costs=CHEAP, granularity=16)
+    if result:  # the tail atom's 8 tokens keep the last positions
+        assert result.permutation[-8:].tolist() == list(range(192, 200))
+        want = omnigen.mask_from_dense(dense[result.permutation][:, result.permutation], tiles=[(32, 32)])
+        assert torch.equal(result.mask.plan(32, 32).kinds, want.plan(32, 32).kinds)
+
+
+# ---- rules layouts: whole segments regrouped -----------------------------------------------------------------
+
+AV_RULES = omnigen.Rules(name="av", modalities={"text": "causal", "audio": "full", "video": "full"},
+                         see={"default": "earlier", "audio -> video": "none", "video -> audio": "none",
+                              "audio -> audio": "all", "video -> video": "all"})
+
+
+def _av_layout(frames: int, audio: int, video: int, doc: int = 0) -> omnigen.Layout:
+    segments = [("text", 20, doc)]
+    for _ in range(frames):
+        segments += [("audio", audio, doc), ("video", video, doc)]
+    return omnigen.Layout.from_segments(segments)
+
+
+def test_rules_segments_are_grouped_exactly():
+    layout = _av_layout(8, 12, 20)
+    mask = omnigen.mask(AV_RULES, layout, device="cpu", tiles=TILES)
+    result = omnigen.reorder(mask, costs=CHEAP, rules_only=True)
+    assert result and result.method == "segments", result
+    assert result.candidates.keys() == {"segments"}
+    assert not result.mask.ruleless  # still a rules mask: every kernel family and the CPU path run it
+    names = [s[0] for s in result.mask.layout.segments]
+    assert names == ["text"] + ["audio"] * 8 + ["video"] * 8
+    perm = result.permutation
+    dense = AV_RULES.dense_mask(layout)
+    assert torch.equal(AV_RULES.dense_mask(result.mask.layout), dense[perm][:, perm])
+    assert _visited(result.mask) < _visited(mask)
+    # every proposal: here a token permutation beats whole segments (boundaries need not meet tiles)
+    best = omnigen.reorder(mask, costs=CHEAP)
+    assert best and best.candidates["segments"] == result.candidates["segments"]
+    assert best.gain >= result.gain
+
+
+def _attention_matches(mask, result, dense, B=1, Hq=4, Hkv=2, S=None):
+    S = S or dense.shape[-1]
+    q, k, v, d_out = _inputs(B, Hq, Hkv, S)
+    plain = omnigen.attention(q, k, v, mask)
+    grads = torch.autograd.grad(plain, (q, k, v), d_out)
+    out, lse = omnigen.attention(q, k, v, result.mask, return_lse=True)
+    reordered_grads = torch.autograd.grad(out, (q, k, v), d_out)
+    _, plain_lse = omnigen.attention(q, k, v, mask, return_lse=True)
+    want, want_grads = _reference(q, k, v, dense if dense.dim() == 3 else dense[None].expand(B, -1, -1), d_out)
+    torch.testing.assert_close(out, plain, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, plain_lse, atol=1e-10, rtol=1e-10)
+    for got, plain_grad, expected in zip(reordered_grads, grads, want_grads):
+        torch.testing.assert_close(got, plain_grad, atol=1e-10, rtol=1e-10)
+        # (the CPU path keeps the log-sum-exp in float32, as the kernels do: the backward is float64 to ~1e-7)
+        torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+
+
+def test_attention_through_regrouped_segments_matches_forward_and_backward():
+    # two batch elements with different layouts: a permutation per element ([B, S])
+    layouts = omnigen.LayoutBatch([_av_layout(6, 12, 20),
+                                   omnigen.Layout.from_segments([("text", 20)] + [("video", 20), ("audio", 12)] * 6)])
+    mask = omnigen.mask(AV_RULES, layouts, device="cpu", tiles=TILES)
+    result = omnigen.reorder(mask, costs=CHEAP, method="segments")
+    assert result and result.method == "segments" and result.permutation.shape == (2, mask.seq_len)
+    _attention_matches(mask, result, AV_RULES.dense_mask(layouts), B=2)
+    # the plain layout call (head dims the kernels build) gives the same answer too
+    q, k, v, _ = _inputs(2, 4, 2, mask.seq_len, D=64)
+    torch.testing.assert_close(omnigen.attention(q, k, v, layouts, AV_RULES), omnigen.attention(q, k, v, result.mask))
+
+
+@pytest.mark.parametrize("name", ["documents", "frames"])
+def test_attention_through_a_reordered_mask_from_data(name):
+    if not _ruleless_runs_on_cpu():
+        pytest.skip("masks made from data do not run on the CPU path yet (op/cpu.py)")
+    S = 256
+    dense = _shuffled(_documents(S, 32)) if name == "documents" else _frames(S, 16, 70)[1]
+    mask = omnigen.mask_from_dense(dense, tiles=TILES)
+    result = omnigen.reorder(mask, costs=CHEAP)
+    assert result
+    _attention_matches(mask, result, dense)
+
+
+def test_the_gathers_are_differentiable_in_both_index_forms():
+    from omnigen.op.permute import gather_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 10, 4, dtype=torch.float64, generator=gen).transpose(1, 2).contiguous().transpose(1, 2)
+    x.requires_grad_()
+    shared = torch.randperm(10, generator=gen)
+    per = torch.stack([torch.randperm(10, generator=gen) for _ in range(2)])
+    assert torch.equal(gather_tokens(x, shared), x[:, :, shared])
+    assert torch.equal(gather_tokens(x, per), torch.stack([x[b, :, per[b]] for b in range(2)]))
+    assert torch.autograd.gradcheck(lambda t: gather_tokens(t, per), (x,))
+    assert torch.autograd.gradcheck(lambda t: gather_tokens(t, shared), (x,))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_segment_order_is_exact_for_random_rules(data):
+    rules = data.draw(rules_strategy())
+    layout = data.draw(layout_strategy(rules, max_segments=10, max_length=12))
+    order = segment_order(rules, layout)
+    if order is None:
+        return
+    assert sorted(order) == list(range(len(layout.segments)))
+    starts = np.concatenate([[0], np.cumsum([s[1] for s in layout.segments])])
+    perm = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in order]))
+    moved = omnigen.Layout([layout.segments[i] for i in order])
+    assert torch.equal(rules.dense_mask(moved), rules.dense_mask(layout)[perm][:, perm])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.lists(st.integers(1, 5), min_size=2, max_size=6), seed=st.integers(0, 1000))
+def test_accepted_permutations_are_exact_on_random_block_masks(blocks, seed):
+    # random documents of random sizes (multiples of 16 tokens), shuffled by whole atoms of 16
+    sizes = [16 * b for b in blocks]
+    S = sum(sizes)
+    doc = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    gen = torch.Generator().manual_seed(seed)
+    atoms = torch.randperm(S // 16, generator=gen)
+    shuffle = (atoms[:, None] * 16 + torch.arange(16)).reshape(-1)
+    d = doc[shuffle]
+    dense = d[:, None] == d[None, :]
+    result = omnigen.reorder(dense, tiles=[(16, 16), (32, 32)], costs=CHEAP)
+    if result:
+        perm = result.permutation
+        want = omnigen.mask_from_dense(dense[perm][:, perm], tiles=[(16, 16), (32, 32)])
+        for shape in ((16, 16), (32, 32)):
+            assert torch.equal(result.mask.plan(*shape).kinds, want.plan(*shape).kinds)
+        original = omnigen.mask_from_dense(dense, tiles=[(16, 16)])
+        assert _visited(result.mask, (16, 16)) < _visited(original, (16, 16))
+
+
+# ---- errors --------------------------------------------------------------------------------------------------
+
+
+def test_errors_are_clear():
+    dense = _documents(64, 16)
+    with pytest.raises(omnigen.InputError, match="reorder takes an omnigen Mask"):
+        omnigen.reorder([[True]])
+    with pytest.raises(omnigen.InputError, match="batch size and sequence length"):
+        omnigen.reorder(lambda b, h, q, k: q >= k)
+    with pytest.raises(omnigen.InputError, match="method must be one of"):
+        omnigen.reorder(dense, method="fastest", tiles=TILES)
+    with pytest.raises(omnigen.InputError, match="heads must be a positive integer"):
+        omnigen.reorder(dense, heads=0, tiles=TILES)
+    with pytest.raises(omnigen.InputError, match="granularity"):
+        omnigen.reorder(dense, granularity=3, tiles=TILES)
+    with pytest.raises(omnigen.InputError, match="must be torch.bool"):
+        omnigen.reorder(dense.int(), tiles=TILES)
+    mask = omnigen.mask_from_dense(dense, tiles=TILES)
+    with pytest.raises(omnigen.InputError, match="B and S come from the mask"):
+        omnigen.reorder(mask, 1, 64)
+    with pytest.raises(omnigen.InputError, match="segments"):
+        omnigen.reorder(mask, method="segments")
+    result = omnigen.reorder(_shuffled(_documents(128, 32)), tiles=TILES, costs=CHEAP)
+    assert result
+    with pytest.raises(omnigen.InputError, match="already reordered"):
+        omnigen.reorder(result.mask)
+    with pytest.raises(ValueError, match="reordered"):
+        omnigen.mask_from_dense(_documents(128, 32), tiles=TILES).copy_(result.mask)
