@@ -11,6 +11,15 @@ the rules' synthetic layouts of `tune.layouts`, or the user's `--layouts FILE`),
   flash_causal   SDPA flash on the plain causal mask  } a different, cheaper mask: the speed a
   cudnn_causal   SDPA cuDNN on the plain causal mask  } causal-only kernel reaches
 
+Masks no rule says (issue 29; `run_masks`, `omnigen bench --mask NAME` or `--mask-mod MODULE:FUNCTION`): one
+`mask_mod` -- a mask of `omnigen.mask_catalogue` or the user's -- timed two ways on the same inputs:
+
+  omnigen        omnigen.attention with omnigen.mask_from_mod(mod, B, S) made beforehand
+  flex           torch.compile(flex_attention) with create_block_mask(mod, B, None, S, S) made beforehand
+
+and the making itself: each row also has `make_ms` (mask_from_mod, or create_block_mask; wall clock between
+device synchronisations, median of MAKE_RUNS after one untimed call) and `mask_mib` (the tensors the mask holds).
+
 Effective TFLOP/s counts only allowed pairs: forward 4 * D * pairs * Hq / t (pairs summed over the
 batch); forward+backward uses 3.5x the forward FLOPs. Times are CUDA events after warm-up, the median
 of every run, all peers of one shape interleaved round-robin with the L2 flushed before each run
@@ -23,6 +32,8 @@ backend that refuses the inputs) is skipped with the reason, never fatal.
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +42,9 @@ import torch
 
 from .layout import Layout, LayoutBatch
 from .semantics import rule_tensors
-from .op import attention, mask as make_mask
+from .mask_catalogue import NAMES as CATALOGUE_NAMES
+from .mask_catalogue import catalogue_mask, load_mask_mod
+from .op import attention, mask as make_mask, mask_from_mod
 from .rules import Rules
 from .tune import layouts as tune_layouts
 from .tune import timing
@@ -41,6 +54,10 @@ DEFAULT_DIMS = (64, 128)
 DEFAULT_SIZES = (4096, 8192, 16384, 32768)
 DEFAULT_TOKENS = 32768
 DEFAULT_HEADS = 16
+# Masks no rule says: the peers that take a mask_mod, and the lengths issue 29's acceptance names.
+MASK_PEERS = ("omnigen", "flex")
+DEFAULT_MASK_SIZES = (8192, 32768)
+MAKE_RUNS = 5
 
 
 class NoGPU(RuntimeError):
@@ -215,6 +232,21 @@ def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, on
     except torch.cuda.OutOfMemoryError as exc:
         return [], [{"impl": "all", "D": D, "S": S, "B": B, "reason": f"out of memory: {_first_line(exc)}"}]
     step("prepared")
+    rows = _time_candidates(candidates, skipped, {"rules": work.rules.name}, (q, k, v, d_out), rounds=rounds,
+                            reps=reps, settle_ms=settle_ms, step=step)
+    del q, k, v, d_out, candidates
+    torch.cuda.empty_cache()
+    return rows, skipped
+
+
+def _time_candidates(candidates: dict[str, tuple[Callable, int]], skipped: list[dict], first: dict,
+                     tensors: tuple[torch.Tensor, ...], *, rounds: int, reps: int, settle_ms: float,
+                     step: Callable[[str], None]) -> list[dict]:
+    """Rows of the peers in `candidates` (name -> (forward, allowed pairs)) on q, k, v, dO = `tensors`: warmed up,
+    then timed round-robin, forward and forward+backward; a peer that fails its warm-up joins `skipped`. Each row
+    starts with the items of `first` (what the workload is)."""
+    q, k, v, d_out = tensors
+    B, H, S, D = q.shape
     forwards: dict[str, Callable] = {}
     both: dict[str, Callable] = {}
     for name, (forward, _pairs) in candidates.items():
@@ -244,7 +276,7 @@ def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, on
         flops = 4.0 * D * pairs * H
         fwd_ms, both_ms = timing.median(fwd_times[name]), timing.median(both_times[name])
         rows.append({
-            "rules": work.rules.name, "impl": name, "D": D, "S": S, "B": B, "H": H, "pairs": pairs,
+            **first, "impl": name, "D": D, "S": S, "B": B, "H": H, "pairs": pairs,
             "fwd_ms": round(fwd_ms, 4), "fwd_bwd_ms": round(both_ms, 4),
             "fwd_tflops": round(flops / fwd_ms / 1e9, 1), "fwd_bwd_tflops": round(3.5 * flops / both_ms / 1e9, 1),
             "peak_mib": round(peak_extra_mib(both[name]), 1),
@@ -254,9 +286,158 @@ def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, on
         if flex:
             r["fwd_vs_flex"] = round(flex["fwd_ms"] / r["fwd_ms"], 2)
             r["fwd_bwd_vs_flex"] = round(flex["fwd_bwd_ms"] / r["fwd_bwd_ms"], 2)
-    del q, k, v, d_out, candidates, forwards, both
+    return rows
+
+
+# ---- masks no rule says: one mask_mod through omnigen and FlexAttention --------------------------------------
+
+
+@dataclass
+class MaskWorkload:
+    """One shape of a mask given as a mask_mod: `mask` is a catalogue name (omnigen.mask_catalogue) or the user's
+    "MODULE:FUNCTION" (a mask_mod, or a factory (B, S, device) returning one); B sequences of S tokens."""
+
+    mask: str
+    batch: int
+    seq_len: int
+    dim: int
+    heads: int
+
+    def mask_mod(self, seed: int = 0) -> Callable:
+        """The mask_mod for this shape, its tensors on the current CUDA device."""
+        if self.mask in CATALOGUE_NAMES:
+            return catalogue_mask(self.mask, self.batch, self.seq_len, "cuda", seed).mask_mod
+        return load_mask_mod(self.mask, self.batch, self.seq_len, "cuda")
+
+
+def check_mask_specs(masks: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The masks to time: catalogue names ("all": every one) and MODULE:FUNCTION specs; ValueError naming a
+    name that is neither."""
+    out: list[str] = []
+    for spec in masks:
+        if spec == "all":
+            out += CATALOGUE_NAMES
+        elif spec in CATALOGUE_NAMES or ":" in spec:
+            out.append(spec)
+        else:
+            raise ValueError(f"--mask {spec!r} is not in the catalogue ({', '.join(CATALOGUE_NAMES)}, or all); a mask "
+                             "of your own goes in --mask-mod MODULE:FUNCTION")
+    if not out:
+        raise ValueError("no mask to time: --mask NAME[,NAME...] (or all) or --mask-mod MODULE:FUNCTION")
+    return tuple(dict.fromkeys(out))
+
+
+def mask_workloads(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES,
+                   tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS) -> list[MaskWorkload]:
+    """Every (mask, S, D): B = tokens // S sequences (at least one)."""
+    return [MaskWorkload(spec, max(1, tokens // S), S, dim, heads)
+            for spec in check_mask_specs(masks) for S in sizes for dim in dims]
+
+
+def time_making(make: Callable[[], Any], runs: int = MAKE_RUNS) -> tuple[float, Any]:
+    """(median milliseconds of make(), between device synchronisations, after one untimed call; the last result)."""
+    made = make()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        made = make()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), made
+
+
+def tensor_mib(obj: Any) -> float:
+    """MiB of the tensors an object holds as attributes (a FlexAttention BlockMask) or in a list (a Mask's)."""
+    tensors = [t for t in vars(obj).values() if isinstance(t, torch.Tensor)]
+    tensors += [t for value in vars(obj).values() if isinstance(value, (list, tuple))
+                for t in value if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values()) / 2**20
+
+
+def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: int = 3,
+                 only: tuple[str, ...] = MASK_PEERS, on_step: Callable[[str], None] | None = None,
+                 settle_ms: float = timing.BENCH_SETTLE_MS) -> tuple[list[dict], list[dict]]:
+    """Rows and skips for one mask workload: the masks made and timed (omnigen's mask_from_mod, FlexAttention's
+    create_block_mask, same mod), then both attentions timed as `measure` times the rules' peers."""
+    step = on_step or (lambda _label: None)
+    B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
+    skipped: list[dict] = []
+
+    def skip(name: str, reason: str) -> None:
+        skipped.append({"impl": name, "D": D, "S": S, "B": B, "reason": reason})
+
+    q, k, v, d_out = random_inputs(B, H, S, D, seed)
+    mod = work.mask_mod(seed)
+    candidates: dict[str, tuple[Callable, int]] = {}
+    made: dict[str, dict] = {}
+    omnigen_mask = None
+    try:
+        make_ms, omnigen_mask = time_making(lambda: mask_from_mod(mod, B, S, "cuda", head_dim=D, dtype=q.dtype))
+        made["omnigen"] = {"make_ms": round(make_ms, 3), "mask_mib": round(omnigen_mask.nbytes() / 2**20, 3)}
+    except Exception as exc:  # noqa: BLE001 - reported; flex may still run
+        skip("omnigen", f"making the mask: {_first_line(exc)}")
+    pairs = omnigen_mask.allowed_pairs if omnigen_mask is not None else None
+    if omnigen_mask is not None and "omnigen" in only:
+        candidates["omnigen"] = (lambda: attention(q, k, v, omnigen_mask), pairs)
+    missing = _flex_missing()
+    if missing:
+        skip("flex", missing)
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        try:
+            make_ms, block_mask = time_making(lambda: create_block_mask(mod, B, None, S, S, device="cuda"))
+            made["flex"] = {"make_ms": round(make_ms, 3), "mask_mib": round(tensor_mib(block_mask), 3)}
+            if "flex" in only and pairs is None:
+                skip("flex", "its effective TFLOP/s need the allowed pairs, counted by omnigen's mask, which failed")
+            elif "flex" in only:
+                flex = torch.compile(flex_attention, dynamic=False)
+                candidates["flex"] = (lambda: flex(q, k, v, block_mask=block_mask), pairs)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+            skip("flex", _first_line(exc))
+    step("masks made")
+    rows = _time_candidates(candidates, skipped, {"mask": work.mask}, (q, k, v, d_out), rounds=rounds, reps=reps,
+                            settle_ms=settle_ms, step=step)
+    for row in rows:
+        row.update(made.get(row["impl"], {}))
+        if "flex" in made and "make_ms" in row:
+            row["make_vs_flex"] = round(made["flex"]["make_ms"] / row["make_ms"], 2)
+    del q, k, v, d_out, candidates, omnigen_mask
     torch.cuda.empty_cache()
     return rows, skipped
+
+
+def run_masks(masks: list[str] | tuple[str, ...], *, dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES,
+              tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS, seed: int = 0, rounds: int = 6,
+              reps: int = 3, only: tuple[str, ...] = MASK_PEERS, on_step: Callable[[str], None] | None = None,
+              on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS) -> Result:
+    """Every (mask, S, D) of `mask_workloads` through omnigen and FlexAttention. Raises NoGPU without CUDA."""
+    work = mask_workloads(masks, dims, sizes, tokens, heads)  # bad names fail before the GPU check
+    if not torch.cuda.is_available():
+        raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape
+    result = Result(info={
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "masks": list(check_mask_specs(masks)),
+        "tokens": tokens, "heads": heads, "dtype": "bf16", "seed": seed, "settle_ms": settle_ms,
+    })
+    for shape in work:
+        rows, skipped = measure_mask(shape, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step,
+                                     settle_ms=settle_ms)
+        result.rows += rows
+        result.skipped += skipped
+        for row in rows:
+            if on_row:
+                on_row(row)
+    return result
+
+
+STEPS_PER_MASK_WORKLOAD = 4
+
+
+def count_mask_steps(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES) -> int:
+    """How many on_step calls `run_masks` makes (for a progress bar)."""
+    return STEPS_PER_MASK_WORKLOAD * len(check_mask_specs(masks)) * len(tuple(dims)) * len(tuple(sizes))
 
 
 STEPS_PER_WORKLOAD = 4
@@ -297,6 +478,8 @@ def count_steps(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: in
 
 COLUMNS = ("rules", "impl", "D", "S", "B", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_flex",
            "fwd_bwd_vs_flex", "peak_mib")
+# Rows of masks given as a mask_mod (run_masks): what the mask is, and the making of it.
+MASK_COLUMNS = ("mask",) + COLUMNS[1:-1] + ("make_ms", "make_vs_flex", "mask_mib", "peak_mib")
 
 
 def table(result: Result) -> str:
@@ -305,9 +488,10 @@ def table(result: Result) -> str:
     settled = f", each peer timed after {info['settle_ms']:g} ms of its own load" if info.get("settle_ms") else ""
     lines = [f"attention, {info.get('dtype', 'bf16')}, H={info.get('heads')}, B*S={info.get('tokens')}, "
              f"GPU: {info.get('gpu')}, torch {info.get('torch')}{settled}"]
-    cells = [[str(r.get(c, "-")) for c in COLUMNS] for r in result.rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(COLUMNS)]
-    lines.append("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
+    columns = MASK_COLUMNS if any("mask" in r for r in result.rows) else COLUMNS
+    cells = [[str(r.get(c, "-")) for c in columns] for r in result.rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
     if not result.rows:
         lines.append("(no measurements)")
@@ -315,6 +499,9 @@ def table(result: Result) -> str:
         lines.append(f"skipped {s['impl']} at D={s['D']} S={s['S']} B={s['B']}: {s['reason']}")
     lines.append("effective TFLOP/s count allowed pairs only (causal peers: the causal mask's pairs); "
                  "fwd+bwd = 3.5x forward FLOPs; x_vs_flex > 1: faster than FlexAttention")
+    if columns is MASK_COLUMNS:
+        lines.append("make_ms: making the mask from the mask_mod (omnigen.mask_from_mod / create_block_mask), "
+                     "median wall clock; mask_mib: the tensors the mask holds")
     return "\n".join(lines)
 
 
@@ -329,10 +516,12 @@ def plot(rows: list[dict], path: str | Path) -> Path:
     fig, axes = plt.subplots(len(dims), 2, figsize=(12, 4 * len(dims)), squeeze=False)
     for row_axes, dim in zip(axes, dims):
         for ax, metric, title in zip(row_axes, ("fwd_tflops", "fwd_bwd_tflops"), ("forward", "forward + backward")):
-            for impl in sorted({r["impl"] for r in rows}):
-                points = sorted((r["S"], r[metric]) for r in rows if r["impl"] == impl and r["D"] == dim and metric in r)
+            # one line per implementation (and per mask, for rows of masks given as a mask_mod)
+            for line in sorted({(r.get("mask", ""), r["impl"]) for r in rows}):
+                points = sorted((r["S"], r[metric]) for r in rows
+                                if (r.get("mask", ""), r["impl"]) == line and r["D"] == dim and metric in r)
                 if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=" ".join(filter(None, line)))
             ax.set_xscale("log", base=2)
             ax.set_title(f"{title}, D={dim}, bf16")
             ax.set_ylabel("effective TFLOP/s (allowed pairs only)")
@@ -385,8 +574,9 @@ def tile_cost(dim: int, S: int, tokens: int, heads: int, seed: int = 0) -> dict:
     return row
 
 
-__all__ = ["COLUMNS", "NoGPU", "PEERS", "Result", "Workload", "count_steps", "measure", "peers", "plot",
-           "random_inputs", "rules_mask_mod", "run", "table", "tile_cost", "workloads"]
+__all__ = ["COLUMNS", "MASK_COLUMNS", "MASK_PEERS", "MaskWorkload", "NoGPU", "PEERS", "Result", "Workload",
+           "check_mask_specs", "count_mask_steps", "count_steps", "mask_workloads", "measure", "measure_mask", "peers",
+           "plot", "random_inputs", "rules_mask_mod", "run", "run_masks", "table", "tile_cost", "workloads"]
 
 
 def smoothed_gap(curve: list[float], ref: list[float], window: int = 20) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -67,7 +67,13 @@ def can_encode_unicode(encoding: str | None) -> bool:
 # terminal
 
 
-def render_terminal(rules: Rules, layout: AnyLayout, plan: Plan, width: int = 100, unicode: bool = True) -> str:
+# Per batch element, the dense bool [S, S] mask to draw instead of the rules' (a mask made from data has no rules:
+# `omnigen show --mask/--dense/...` passes its mask rebuilt from the plan and bits, plan.ruleless.dense_from_bits).
+DenseOf = Callable[[int], Any]
+
+
+def render_terminal(rules: Rules, layout: AnyLayout, plan: Plan, width: int = 100, unicode: bool = True,
+                    dense: DenseOf | None = None) -> str:
     """Everything `omnigen show` prints: mask picture(s) when S is small enough, tile grid(s), summary."""
     parts: list[str] = []
     elements = layout.layouts
@@ -77,7 +83,8 @@ def render_terminal(rules: Rules, layout: AnyLayout, plan: Plan, width: int = 10
         if len(elements) > 1:
             parts.append(f"batch element {b}: {element}")
         if element.seq_len <= DENSE_LIMIT:
-            parts.append(mask_text(rules, element, width=width, unicode=unicode))
+            parts.append(mask_text(rules, element, width=width, unicode=unicode,
+                                   dense=None if dense is None else dense(b)))
         parts.append(tile_text(cells[b], factors, element, plan.block_m, plan.block_n, width=width, unicode=unicode))
     if len(elements) > MAX_PICTURED:
         parts.append(f"({len(elements) - MAX_PICTURED} more batch elements not drawn; the summary covers all)")
@@ -97,12 +104,13 @@ def summary_line(plan: Plan) -> str:
             f"tiles={total}: {per_kind}; density={plan.density:.4f} partial_fraction={plan.partial_fraction:.4f}")
 
 
-def mask_text(rules: Rules, layout: Layout, width: int = 100, unicode: bool = True) -> str:
+def mask_text(rules: Rules, layout: Layout, width: int = 100, unicode: bool = True, dense: Any = None) -> str:
     """The dense mask of one layout as characters, averaged down to fit `width` columns.
 
     A character is "all allowed", "mixed" or "none" over the tokens it covers. Segment starts
     are ticked on the frame and labelled with modality (and document, where it changes) and
-    position. Needs the dense mask: O(S^2) memory, so only for S <= DENSE_LIMIT.
+    position. Needs the dense mask: O(S^2) memory, so only for S <= DENSE_LIMIT. `dense`: that mask (bool
+    [S, S]) when it is not the rules' (a mask made from data).
     """
     S = layout.seq_len
     if S > DENSE_LIMIT:
@@ -113,7 +121,7 @@ def mask_text(rules: Rules, layout: Layout, width: int = 100, unicode: bool = Tr
     else:  # a line is about twice as tall as a character is wide, so half as many lines
         cols, repeat = min(S, avail, 2 * MAX_LINES), 1
         rows = max(1, math.ceil(cols / 2))
-    counts, areas = mask_cells(dense_mask_host(rules, layout), rows, cols)
+    counts, areas = mask_cells(dense_mask_host(rules, layout) if dense is None else dense, rows, cols)
     full, mixed, none = _MASK_CHARS[unicode]
     chars = [[full if c == a else none if c == 0 else mixed for c, a in zip(cr, ar)]
              for cr, ar in zip(counts.tolist(), areas.tolist())]
@@ -266,11 +274,13 @@ def _pyplot() -> Any:
     return plt
 
 
-def mask_figure(rules: Rules, layout: AnyLayout, plan: Plan) -> Any:
+def mask_figure(rules: Rules, layout: AnyLayout, plan: Plan, dense: DenseOf | None = None,
+                title: str | None = None) -> Any:
     """A matplotlib Figure: the mask (when S <= DENSE_LIMIT) and the tile kinds, per batch element.
 
     Segment starts are drawn as lines and labelled with modality (and '@doc' where the
-    document changes); document boundaries are drawn thicker.
+    document changes); document boundaries are drawn thicker. `dense` (per batch element) and `title`: for a mask
+    made from data, the mask to draw instead of the rules' and what the title says instead of rules and layout.
     """
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
@@ -294,7 +304,7 @@ def mask_figure(rules: Rules, layout: AnyLayout, plan: Plan) -> Any:
         row = axes[b]
         if show_mask:
             size = min(S, PNG_PIXELS)
-            counts, areas = mask_cells(dense_mask_host(rules, element), size, size)
+            counts, areas = mask_cells(dense_mask_host(rules, element) if dense is None else dense(b), size, size)
             row[0].imshow(counts / areas, cmap="Blues", vmin=0, vmax=1.15, extent=(0, S, S, 0),
                           interpolation="nearest")
             row[0].set_title("mask (blue: allowed)", fontsize=10)
@@ -323,7 +333,8 @@ def mask_figure(rules: Rules, layout: AnyLayout, plan: Plan) -> Any:
     axes[0][-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, frameon=False,
                        title="tile kind", title_fontsize=9)
     layout_text = str(layout.layouts[0]) if len(layout.layouts) == 1 else f"batch of {len(layout.layouts)}"
-    fig.suptitle(f"rules '{rules.name}'  ·  layout {_wrap(layout_text, 45 * panels)}\n"
+    heading = title if title is not None else f"rules '{rules.name}'  ·  layout {_wrap(layout_text, 45 * panels)}"
+    fig.suptitle(f"{heading}\n"
                  f"S={S}, tile {plan.block_m}x{plan.block_n}, density {plan.density:.3f}, "
                  f"partial fraction {plan.partial_fraction:.3f}", fontsize=11)
     return fig
@@ -390,10 +401,11 @@ def _non_overlapping(centers: list[float], sizes: list[float], order: list[int])
     return sorted(index for _, _, index in kept)
 
 
-def save_png(rules: Rules, layout: AnyLayout, plan: Plan, path: str | Path, dpi: int = 120) -> Path:
+def save_png(rules: Rules, layout: AnyLayout, plan: Plan, path: str | Path, dpi: int = 120,
+             dense: DenseOf | None = None, title: str | None = None) -> Path:
     """Write mask_figure(...) to `path` as a PNG; returns the path."""
     plt = _pyplot()
-    fig = mask_figure(rules, layout, plan)
+    fig = mask_figure(rules, layout, plan, dense, title)
     path = Path(path)
     try:
         fig.savefig(path, dpi=dpi)

@@ -335,4 +335,70 @@ def catalogue_mask(name: str, B: int, S: int, device: torch.device | str = "cpu"
     return CatalogueMask(name, description, B, S, device, mod, intervals)
 
 
-__all__ = ["CatalogueMask", "NAMES", "catalogue_mask", "describe"]
+# ---- masks the command line names: a user's mask_mod, a saved dense mask, saved intervals ------------------------
+
+
+def load_mask_mod(spec: str, B: int, S: int, device: torch.device | str = "cpu") -> MaskMod:
+    """The mask_mod that `spec`, "MODULE:FUNCTION", names: MODULE is an importable module (my_pkg.masks) or a Python
+    file (path/to/masks.py). FUNCTION is a mask_mod(b, h, q_idx, kv_idx), or a factory FUNCTION(B, S, device) that
+    returns one (for a mod that reads tensors made for the sequence: document ids, a tree's ancestors)."""
+    import importlib
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--mask-mod {spec!r}: write MODULE:FUNCTION, e.g. my_pkg.masks:causal or masks.py:causal")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"--mask-mod {spec!r}: no file {module_name}")
+            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--mask-mod {spec!r}: cannot import {module_name} ({exc}); give an importable module "
+                         "(run from its directory or set PYTHONPATH) or a path to a .py file") from None
+    found = getattr(module, attribute, None)
+    if not callable(found):
+        raise ValueError(f"--mask-mod {spec!r}: {module_name} has no function {attribute!r}")
+    try:
+        signature = inspect.signature(found)
+    except (TypeError, ValueError):
+        return found
+    for arity, is_mod in ((4, True), (3, False)):
+        try:
+            signature.bind(*range(arity))
+        except TypeError:
+            continue
+        return found if is_mod else found(B, S, torch.device(device))
+    raise ValueError(f"--mask-mod {spec!r}: {attribute}{signature} is neither a mask_mod(b, h, q_idx, kv_idx) nor a "
+                     "factory (B, S, device) that returns one")
+
+
+def read_dense(path: str) -> torch.Tensor:
+    """A dense mask saved with torch.save: a bool tensor [S, S] or [B, S, S] (mask_from_dense checks it)."""
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(loaded, dict) and len(loaded) == 1:
+        loaded = next(iter(loaded.values()))
+    return loaded
+
+
+def read_intervals(path: str) -> dict[str, torch.Tensor]:
+    """FlashMask vectors saved with torch.save: a dict with lts, lte (and optionally uts, ute), [B, S] or [S] each,
+    or a list of 2 or 4 tensors in that order."""
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(loaded, (list, tuple)) and len(loaded) in (2, 4):
+        loaded = dict(zip(("lts", "lte", "uts", "ute"), loaded))
+    if not isinstance(loaded, dict) or not {"lts", "lte"} <= set(loaded) or set(loaded) - {"lts", "lte", "uts", "ute"}:
+        keys = sorted(loaded) if isinstance(loaded, dict) else type(loaded).__name__
+        raise ValueError(f"--intervals {path}: expected a dict with keys lts, lte (and optionally uts, ute), saved "
+                         f"with torch.save({{'lts': lts, 'lte': lte}}, path); found {keys}")
+    return loaded
+
+
+__all__ = ["CatalogueMask", "NAMES", "catalogue_mask", "describe", "load_mask_mod", "read_dense", "read_intervals"]

@@ -1,4 +1,5 @@
-"""`omnigen bench`: the rules against FlexAttention and SDPA on this GPU (the library's omnigen.bench)."""
+"""`omnigen bench`: the rules against FlexAttention and SDPA on this GPU, or a mask no rule says (a catalogue mask or
+the user's mask_mod) against FlexAttention on the same mask_mod (the library's omnigen.bench)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,28 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 
 @cli.command(name="bench")
-@click.option("--rules", "rules_path", required=True, metavar="FILE", help="Rules file (YAML), e.g. examples/rules/transfusion.yaml.")
+@click.option("--rules", "rules_path", metavar="FILE",
+              help="Rules file (YAML), e.g. examples/rules/transfusion.yaml. Or time masks no rule says with --mask / "
+                   "--mask-mod instead.")
+@click.option("--mask", "mask_names", metavar="NAME,...",
+              help="Masks of omnigen's catalogue to time against FlexAttention on the same mask_mod, or 'all': "
+                   f"{', '.join(library.CATALOGUE_NAMES)}.")
+@click.option("--mask-mod", "mask_mods", multiple=True, metavar="MODULE:FUNCTION",
+              help="Your own mask_mod(b, h, q_idx, kv_idx) to time the same way, from an importable module or a .py "
+                   "file; FUNCTION may instead be a factory (B, S, device) returning the mod. Repeatable.")
 @click.option("--layouts", "layouts_path", metavar="FILE",
               help="Time these layouts (one per line, modality:length[@document]) instead of the rules' synthetic ones; "
                    "grouped by length, padded and repeated to B*S = --tokens.")
 @click.option("--dims", default="64,128", show_default=True, metavar="D,...", help="Head dims to time.")
-@click.option("--sizes", default="4096,8192,16384,32768", show_default=True, metavar="S,...",
-              help="Sequence lengths of the synthetic layouts.")
+@click.option("--sizes", metavar="S,...",
+              help="Sequence lengths: of the rules' synthetic layouts (default 4096,8192,16384,32768), or of the "
+                   "masks (default 8192,32768).")
 @click.option("--tokens", default=library.DEFAULT_TOKENS, show_default=True, type=click.IntRange(min=1),
               help="B * S per measurement.")
 @click.option("--heads", default=library.DEFAULT_HEADS, show_default=True, type=click.IntRange(min=1))
-@click.option("--peers", "peer_list", default=",".join(library.PEERS), show_default=True, metavar="NAME,...",
-              help="Which implementations to time.")
+@click.option("--peers", "peer_list", metavar="NAME,...",
+              help=f"Which implementations to time: of {', '.join(library.PEERS)} with --rules (default all), of "
+                   f"{', '.join(library.MASK_PEERS)} with --mask / --mask-mod (default both).")
 @click.option("--rounds", default=6, show_default=True, type=click.IntRange(min=1),
               help="Round-robin rounds per shape (each runs every peer --reps times).")
 @click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1))
@@ -46,14 +57,23 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--json", "json_path", metavar="FILE", help="Also write the rows and skips as JSON to FILE ('-': stdout).")
 @click.option("--png", "png_path", metavar="FILE", help="Also plot effective TFLOP/s against S to FILE. Needs matplotlib.")
 @user_errors
-def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: str, tokens: int, heads: int,
-                  peer_list: str, rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
+def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tuple[str, ...],
+                  layouts_path: str | None, dims: str, sizes: str | None, tokens: int, heads: int,
+                  peer_list: str | None, rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
                   png_path: str | None) -> None:
     """Time omnigen against FlexAttention, SDPA with the dense mask and the causal kernels on this GPU.
 
     \b
-    Example:
+    Examples:
       omnigen bench --rules examples/rules/transfusion.yaml --dims 128 --sizes 8192,16384 --png bench.png
+      omnigen bench --mask all --dims 64,128 --sizes 8192,32768 --json masks.json
+      omnigen bench --mask medusa_tree,longformer --dims 128 --sizes 8192
+      omnigen bench --mask-mod my_masks.py:make_mod --sizes 8192
+
+    With --rules: the rules' layouts through every peer. With --mask / --mask-mod (masks no rule says,
+    issue 29): the same mask_mod through omnigen (mask_from_mod) and FlexAttention (create_block_mask),
+    forward and forward+backward, plus the time to make each mask (make_ms) and its memory (mask_mib).
+    B = --tokens // S sequences per shape.
 
     Every peer runs in this process on the same inputs; times are medians of CUDA-event timings after
     warm-up, interleaved round-robin, each peer timed after --settle-ms of its own load (a GPU at its
@@ -62,11 +82,28 @@ def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: s
     A peer that cannot run a shape (FlexAttention missing, the dense mask out of memory, a backend that
     refuses the inputs) is skipped and listed with the reason.
     """
-    rules = Rules.load(rules_path)
-    peers = tuple(name.strip() for name in peer_list.split(",") if name.strip())
-    unknown = sorted(set(peers) - set(library.PEERS))
+    masks = _names(mask_names) + list(mask_mods)
+    if rules_path and masks:
+        raise UserError("give --rules FILE or masks no rule says (--mask / --mask-mod), not both")
+    if not rules_path and not masks:
+        raise UserError("omnigen bench needs --rules FILE (the rules' layouts) or masks no rule says: --mask NAME,... "
+                        "(the catalogue, or all) or --mask-mod MODULE:FUNCTION (see omnigen bench --help)")
+    choices = library.MASK_PEERS if masks else library.PEERS
+    peers = tuple(name.strip() for name in (peer_list or ",".join(choices)).split(",") if name.strip())
+    unknown = sorted(set(peers) - set(choices))
     if unknown or not peers:
-        raise UserError(f"--peers: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(library.PEERS)}")
+        raise UserError(f"--peers: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(choices)}")
+    if masks:
+        if layouts_path:
+            raise UserError("--layouts is for --rules; a mask_mod says its own mask")
+        dim_list = _ints(dims, "--dims")
+        size_list = _ints(sizes, "--sizes") if sizes else library.DEFAULT_MASK_SIZES
+        specs = library.check_mask_specs(masks)
+        _bench_masks(specs, dim_list, size_list, tokens, heads, peers, rounds, reps, settle_ms, seed, json_path,
+                     png_path)
+        return
+    rules = Rules.load(rules_path)
+    sizes = sizes or ",".join(map(str, library.DEFAULT_SIZES))
     layouts = None
     if layouts_path:
         layouts = tune_layouts.read_layouts_file(layouts_path, rules)
@@ -80,6 +117,31 @@ def bench_command(rules_path: str, layouts_path: str | None, dims: str, sizes: s
         result = library.run(rules, dims=dim_list, sizes=size_list, tokens=tokens, heads=heads, seed=seed,
                              layouts=layouts, rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
                              on_step=lambda _label: bar.update(1))
+    _report(result, json_path, png_path)
+
+
+def _names(text: str | None) -> list[str]:
+    """Comma- or space-separated names."""
+    return [word for word in (text or "").replace(",", " ").split() if word]
+
+
+def _bench_masks(specs: tuple[str, ...], dims: tuple[int, ...], sizes: tuple[int, ...], tokens: int, heads: int,
+                 peers: tuple[str, ...], rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
+                 png_path: str | None) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("omnigen bench needs a CUDA GPU to time on, and none is visible here")
+    steps = library.count_mask_steps(specs, dims, sizes)
+    with click.progressbar(length=steps, label="benchmarking masks", file=sys.stderr, show_pos=True) as bar:
+        result = library.run_masks(specs, dims=dims, sizes=sizes, tokens=tokens, heads=heads, seed=seed,
+                                   rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
+                                   on_step=lambda _label: bar.update(1))
+    _report(result, json_path, png_path)
+
+
+def _report(result: library.Result, json_path: str | None, png_path: str | None) -> None:
+    """The table (or JSON on stdout with --json -), the JSON file, the plot."""
     if json_path == "-":
         click.echo(result.to_json())
     else:

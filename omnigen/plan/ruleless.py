@@ -47,10 +47,10 @@ from ..layout import Layout, LayoutBatch
 from ..rules import Rules
 from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS
 from . import bits
-from .masks import CAPACITY_LIMIT, Mask, _capacity
+from .masks import CAPACITY_LIMIT, PER_SHAPE, SCHEDULE_TENSORS, Mask, _capacity
 from .planners import _check_block
 from .schedule import Plan
-from .tile_bits import pack
+from .tile_bits import pack, unpack
 
 # The rule set every mask without rules carries: its key tells the op and the kernels "partial tiles from bits
 # only". One modality that sees all of its own segment and nothing else; the masks' tables are all pad (see above).
@@ -297,3 +297,35 @@ def tile_shapes(S: int, device: torch.device, tiles: Iterable[tuple[int, int]] |
     if not shapes:
         raise ValueError("a mask needs at least one tile shape: tiles=[(128, 128)], or leave tiles out")
     return shapes
+
+
+def dense_from_bits(mask: Mask, block_m: int, block_n: int, element: int = 0) -> torch.Tensor:
+    """bool [S, S] on the mask's device: batch element `element` of a mask made from data, rebuilt from what the
+    kernels read -- its forward schedule's kinds (full: all, causal: k <= q, empty: none) and the partial tiles'
+    bits -- so a picture shows the mask the kernels run, whichever input it was made from. O(S^2): for pictures
+    and tests of small masks."""
+    if not mask.ruleless:
+        raise ValueError("dense_from_bits reads a mask made from data; for a mask of rules use rules.dense_mask(layout)")
+    if not 0 <= element < mask.batch_size:
+        raise ValueError(f"element must be in [0, {mask.batch_size}), not {element!r}")
+    plan = mask.plan(block_m, block_n)
+    kinds = plan.kinds if plan.kinds.dim() == 3 else plan.kinds[None]
+    S, device = mask.seq_len, kinds.device
+    nq, nk = kinds.shape[1:]
+    grid = kinds[element]
+    tiles = torch.zeros(nq, nk, block_m, block_n, dtype=torch.bool, device=device)
+    tiles[grid == FULL] = True
+    rows = torch.arange(block_m, device=device)[:, None]
+    cols = torch.arange(block_n, device=device)[None, :]
+    i, j = (grid == CAUSAL).nonzero(as_tuple=True)
+    tiles[i, j] = (j[:, None, None] * block_n + cols) <= (i[:, None, None] * block_m + rows)
+    partial = grid == PARTIAL
+    if partial.any():
+        # Slots hold the forward schedule's partial entries in row-major order over (element, q-tile, kv-tile).
+        first = int((kinds[:element] == PARTIAL).sum())
+        words = bits.slot_words(block_m, block_n)
+        shape = mask.tiles.index((block_m, block_n))
+        slots = mask.schedules[PER_SHAPE * shape + SCHEDULE_TENSORS.index("partial_bits")]  # the forward's
+        count = int(partial.sum())
+        tiles[partial] = unpack(slots[first * words : (first + count) * words], block_m, block_n)
+    return tiles.permute(0, 2, 1, 3).reshape(nq * block_m, nk * block_n)[:S, :S]
