@@ -48,7 +48,7 @@ GRANULARITIES = (1, 2, 4, 8, 16)
 # Mask elements evaluated at once while reading the mask (bounded temporaries).
 SLAB_ELEMENTS = 1 << 24
 # An atom that touches at least this fraction of the others is a hub (placed first in the "hubs" candidates).
-HUB_FRACTION = 0.5
+HUB_FRACTION = 0.9
 METHODS = ("auto", "rcm", "components", "segments")
 # Gathers and scatters a forward + backward with a reordered mask runs: q, k, v, out; dOut, dQ, dK, dV.
 GATHERS_PER_STEP = 8
@@ -150,21 +150,24 @@ def _bits_evaluator(mask: Mask) -> Evaluator:
     (slots in row-major order of the partial tiles, as plan.ruleless lays them out)."""
     block_m, block_n = mask.tiles[0]
     plan = mask.plan(block_m, block_n)
-    kinds = plan.kinds.reshape(mask.batch_size, plan.num_q_tiles, plan.num_kv_tiles).long()
+    B, nq, nk = mask.batch_size, plan.num_q_tiles, plan.num_kv_tiles
+    kinds = plan.kinds.reshape(-1)  # flat over (b, q-tile, kv-tile): one gather per element below
     partial = kinds == PARTIAL
-    slot = (partial.reshape(-1).cumsum(0) - 1).clamp(min=0).view_as(kinds)
+    slot = (partial.long().cumsum(0) - 1).clamp(min=0)
     count = int(partial.sum())
     words = mask.schedules[5]  # SCHEDULE_TENSORS: the forward's partial_bits of the first tile shape
     per_slot = slot_words(block_m, block_n, False)
-    blocks = unpack(words[: count * per_slot], block_m, block_n) if count else None
+    blocks = unpack(words[: count * per_slot], block_m, block_n).reshape(-1) if count else None
 
     def evaluate(b0: int, b1: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        ti, tj = rows // block_m, cols // block_n
-        kind = kinds[b0:b1][:, ti[:, None], tj[None, :]]
-        out = (kind == FULL) | ((kind == CAUSAL) & (cols[None, :] <= rows[:, None]))
+        batch = torch.arange(b0, b1, device=rows.device)[:, None, None]
+        tile = (batch * nq + (rows // block_m)[None, :, None]) * nk + (cols // block_n)[None, None, :]
+        kind = kinds[tile]
+        out = (kind == FULL) | ((kind == CAUSAL) & (cols[None, None, :] <= rows[None, :, None]))
         if blocks is not None:
-            found = blocks[slot[b0:b1][:, ti[:, None], tj[None, :]], (rows % block_m)[:, None], (cols % block_n)[None, :]]
-            out |= (kind == PARTIAL) & found
+            offset = slot[tile] * (block_m * block_n) + ((rows % block_m) * block_n)[None, :, None] + \
+                (cols % block_n)[None, None, :]
+            out |= (kind == PARTIAL) & blocks[offset]
         return out
 
     return evaluate
@@ -283,6 +286,20 @@ def reverse_cuthill_mckee(adjacency: np.ndarray, nodes: np.ndarray | None = None
     return np.array(order[::-1], dtype=np.int64)
 
 
+def _hubs(graph: np.ndarray) -> np.ndarray:
+    """Atoms connected to nearly every other (a MEDUSA prefix, global tokens): peeled in rounds, each round among the
+    atoms left, so that a second tier (a tree's root among its tree) is found once the first is gone."""
+    hubs = np.zeros(graph.shape[0], dtype=bool)
+    for _ in range(4):
+        left = ~hubs
+        degree = (graph & left[None, :]).sum(1)
+        found = left & (degree >= HUB_FRACTION * max(1, int(left.sum()) - 1))
+        if not found.any() or found.sum() == left.sum():
+            break
+        hubs |= found
+    return hubs
+
+
 def _atom_candidates(any_b: np.ndarray, movable: int) -> dict[str, np.ndarray]:
     """Permutations of the first `movable` atoms of one batch element (the rest stay last, in order)."""
     n = any_b.shape[0]
@@ -291,8 +308,7 @@ def _atom_candidates(any_b: np.ndarray, movable: int) -> dict[str, np.ndarray]:
     everything = np.ones(movable, dtype=bool)
     out = {"components": np.concatenate(components(graph, everything)) if movable else np.zeros(0, np.int64),
            "rcm": reverse_cuthill_mckee(graph, everything)}
-    degree = graph.sum(1)
-    hubs = degree >= HUB_FRACTION * max(1, movable - 1)
+    hubs = _hubs(graph)
     if hubs.any() and not hubs.all():
         first = np.flatnonzero(hubs)
         out["hubs+components"] = np.concatenate([first, *components(graph, ~hubs)])

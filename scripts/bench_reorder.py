@@ -1,0 +1,196 @@
+"""Time forward + backward with and without `omnigen.reorder` on fragmented masks (issue 29 item 4), on one GPU.
+
+Two masks fragmented in token order, as FlexAttention-style mask_mods made into omnigen masks on the GPU:
+
+- `medusa`: a causal prefix (an eighth of the sequence, so that the trees dominate), then MEDUSA-style candidate
+  trees laid out level by level (the order speculative decoding writes them): each tree token sees the prefix and
+  its ancestors;
+- `frames`: interleaved audio and video frames (lengths not multiples of a tile), each modality sees its own frame
+  and its own earlier frames within a window of token positions, nothing of the other.
+
+For each mask and S (B * S = --tokens) it reports the reorder decision and the model's estimate, the visited tiles
+per kind of both plans, and the median milliseconds of forward + backward of the plain call, of the reordered call
+(its 8 gathers / scatters included: q, k, v, out; dOut, dQ, dK, dV) and of those gathers alone. The reordered call is
+timed even when reorder declines (its best proposal, `ReorderCosts(min_gain=0)`), so the numbers calibrate the cost
+model's constants (omnigen.plan.reorder.ReorderCosts). Both calls run in the same process, interleaved round-robin.
+
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 scripts/bench_reorder.py --sizes 8192 16384 32768 --dim 128 \\
+        --out benchmarks/reorder.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import omnigen  # noqa: E402
+from omnigen.op.permute import gather_tokens  # noqa: E402
+from omnigen.plan.reorder import ReorderCosts  # noqa: E402
+
+DEPTH = 4  # MEDUSA heads: tree levels below the root
+
+
+def medusa_mod(S: int, device: torch.device, seed: int = 0):
+    """A causal prefix of S/8 tokens, then trees of DEPTH levels (widths x4 per level) laid out level by level over
+    the rest; each tree token sees the prefix and its ancestors (an ancestor table [S, DEPTH + 1], no S x S tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = S // 8
+    ancestors = torch.full((S, DEPTH + 1), -1, dtype=torch.int64)
+    widths = [4 ** level for level in range(DEPTH + 1)]
+    per_tree = sum(widths)
+    trees = (S - prefix) // per_tree
+    position = prefix
+    level_start = []
+    for level, width in enumerate(widths):  # level by level, every tree's nodes of that level together
+        level_start.append(position)
+        position += width * trees
+    for level, width in enumerate(widths):
+        for t in range(trees):
+            for i in range(width):
+                node = level_start[level] + t * width + i
+                ancestors[node, 0] = node
+                if level:
+                    parent_index = int(torch.randint(0, widths[level - 1], (1,), generator=gen))
+                    parent = level_start[level - 1] + t * widths[level - 1] + parent_index
+                    ancestors[node, 1:] = ancestors[parent, :-1]
+    last = position  # tokens past the trees: causal text after them (they see everything before)
+    table = ancestors.to(device)
+
+    def mod(b, h, q, k):
+        in_tree = (q >= prefix) & (q < last)
+        sees_ancestor = (table[q.clamp(max=S - 1)] == k[..., None]).any(-1)
+        tree_rule = (k < prefix) | sees_ancestor
+        return torch.where(in_tree, tree_rule, k <= q)
+
+    return mod
+
+
+def frames_mod(S: int, device: torch.device, audio: int = 80, video: int = 176, window: int = 4096):
+    """Interleaved audio / video frames; a token sees its own frame and its modality's earlier frames within
+    `window` positions."""
+    pattern = torch.cat([torch.zeros(audio, dtype=torch.int64), torch.ones(video, dtype=torch.int64)])
+    reps = -(-S // pattern.numel())
+    kind = pattern.repeat(reps)[:S].to(device)
+    frame = (torch.arange(S, device=device) // pattern.numel()) * 2 + kind
+
+    def mod(b, h, q, k):
+        same_kind = kind[q] == kind[k]
+        return same_kind & ((frame[q] == frame[k]) | ((k < q) & (q - k < window)))
+
+    return mod
+
+
+MASKS = {"medusa": medusa_mod, "frames": frames_mod}
+
+
+def median_ms(fns: dict, rounds: int, reps: int) -> dict[str, float]:
+    """Median milliseconds of each function, interleaved round-robin, CUDA events around `reps` calls."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def counts(mask: omnigen.Mask) -> dict[str, int]:
+    return mask.plan(*mask.tiles[0]).counts()
+
+
+def run_one(name: str, S: int, args) -> dict:
+    device = torch.device("cuda")
+    B = max(1, args.tokens // S)
+    dtype = torch.bfloat16
+    mod = MASKS[name](S, device)
+    made = time.perf_counter()
+    mask = omnigen.mask_from_mod(mod, B, S, device=device, head_dim=args.dim, dtype=dtype)
+    made = time.perf_counter() - made
+    took = time.perf_counter()
+    decision = omnigen.reorder(mask, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.dim, dtype=dtype,
+                               granularity=args.granularity)
+    took = time.perf_counter() - took
+    forced = decision if decision else omnigen.reorder(
+        mask, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.dim, dtype=dtype, granularity=args.granularity,
+        costs=ReorderCosts(min_gain=0.0))
+    row = {"mask": name, "S": S, "B": B, "heads": args.heads, "kv_heads": args.kv_heads or args.heads, "dim": args.dim,
+           "accepted": bool(decision), "reason": decision.reason, "method": forced.method,
+           "estimated_gain": forced.gain, "costs": {f"{m}x{n}": c for (m, n), c in forced.costs.items()},
+           "mask_s": round(made, 3), "reorder_s": round(took, 3), "plain_tiles": counts(mask),
+           "reordered_tiles": counts(forced.mask) if forced.mask is not None else None}
+    print(f"{name} S={S} B={B}: {decision!r} (mask {made:.2f} s, reorder {took:.2f} s)", flush=True)
+    if forced.mask is None:
+        return row
+    gen = torch.Generator(device=device).manual_seed(0)
+    Hkv = args.kv_heads or args.heads
+    q = torch.randn(B, S, args.heads, args.dim, device=device, dtype=dtype, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(B, S, Hkv, args.dim, device=device, dtype=dtype, generator=gen).transpose(1, 2)
+            for _ in range(2))
+    for t in (q, k, v):
+        t.requires_grad_()
+    d_out = torch.randn(B, args.heads, S, args.dim, device=device, dtype=dtype, generator=gen)
+
+    def step(which):
+        def call():
+            out = omnigen.attention(q, k, v, which)
+            torch.autograd.grad(out, (q, k, v), d_out)
+        return call
+
+    index = forced.mask.permutation
+    big = [torch.randn(B, S, args.heads, args.dim, device=device, dtype=dtype).transpose(1, 2) for _ in range(4)]
+    small = [torch.randn(B, S, Hkv, args.dim, device=device, dtype=dtype).transpose(1, 2) for _ in range(4)]
+
+    def gathers():  # the 8 gathers / scatters a reordered forward + backward adds
+        for t in big + small:
+            gather_tokens(t, index)
+
+    with torch.no_grad():
+        plain_out = omnigen.attention(q, k, v, mask)
+        reordered_out = omnigen.attention(q, k, v, forced.mask)
+    row["max_abs_difference"] = float((plain_out.float() - reordered_out.float()).abs().max())
+    ms = median_ms({"plain": step(mask), "reordered": step(forced.mask), "gathers": gathers}, args.rounds, args.reps)
+    row.update({f"{key}_ms": round(value, 4) for key, value in ms.items()})
+    row["measured_speedup"] = round(ms["plain"] / ms["reordered"], 3)
+    print(f"  plain {ms['plain']:.3f} ms, reordered {ms['reordered']:.3f} ms (gathers {ms['gathers']:.3f} ms): "
+          f"{row['measured_speedup']:.2f}x measured, {forced.gain:.2f}x estimated", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    parser.add_argument("--sizes", nargs="+", type=int, default=[8192, 16384, 32768])
+    parser.add_argument("--tokens", type=int, default=32768, help="B * S")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--granularity", type=int, default=None, help="tokens per atom of reorder's graph")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_reorder needs a CUDA GPU")
+    rows = [run_one(name, S, args) for name in args.masks for S in args.sizes]
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(info, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
