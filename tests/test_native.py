@@ -96,3 +96,27 @@ def test_host_library_flags_follow_torchs_abi():
     text = toolchain.host_library_ninja(Path("/b"), [Path("/b/ops.cpp")], Path("/b/omnigen_ops.so"), [COMMON_INCLUDE],
                                         toolchain.find_toolchain(), build)
     assert "-ltorch_cpu" in text and "-Wl,-rpath,/lib" in text and "-I/inc" in text
+
+
+@needs_compiler
+@pytest.mark.nvcc
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf (binutils)")
+def test_the_shim_uses_the_processs_libstdcxx_even_under_a_static_wrapper(tmp_path, monkeypatch):
+    """A $CXX that links libstdc++ statically (the GPU machine's does) must not give the shim its own copy: the
+    shim and libtorch pass strings, streams and exceptions to each other, and a private copy's streams crashed the
+    first error message that formatted a number."""
+    import subprocess
+
+    real = shutil.which("c++") or shutil.which("g++")
+    wrapper = tmp_path / "static-cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = _build(tmp_path)
+    dynamic = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    assert "[libstdc++.so.6]" in dynamic
+    symbols = subprocess.run(["readelf", "-W", "--dyn-syms", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    own = [line for line in symbols.splitlines() if "_ZNSo9_M_insertIlEERSoT_" in line and " UND " not in line]
+    assert not own, own  # std::ostream's number insertion comes from the shared libstdc++, not from the shim

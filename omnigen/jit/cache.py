@@ -35,8 +35,8 @@ from typing import Callable, Iterable, Iterator
 
 from ..version import __version__
 from .toolchain import (
-    BuildError, Toolchain, find_toolchain, find_torch_build, flags_fingerprint, host_library_flags, host_library_ninja,
-    kernel_log_text, module_ninja, ptxas_report, run_ninja, top_ninja,
+    BuildError, Toolchain, find_toolchain, find_torch_build, flags_fingerprint, host_library_flags,
+    host_library_link_flags, host_library_ninja, kernel_log_text, module_ninja, ptxas_report, run_ninja, top_ninja,
 )
 from ..rules import Rules
 from ..targets import KernelConfig
@@ -415,8 +415,8 @@ def get_host_library(name: str, sources: dict[str, str], include_dirs: Iterable[
     include_dirs = [Path(d) for d in include_dirs]
     headers = {f"{d.name}/{p.relative_to(d).as_posix()}": p.read_text()
                for d in include_dirs for p in sorted(d.rglob("*")) if p.is_file()}
-    key = cache_key(sources, headers, {"cxx": host_library_flags(torch_build)},
-                    {**toolchain.fingerprint(), **torch_build.fingerprint()}, "host")
+    flags = {"cxx": host_library_flags(torch_build), "link": host_library_link_flags(torch_build)}
+    key = cache_key(sources, headers, flags, {**toolchain.fingerprint(), **torch_build.fingerprint()}, "host")
     library = f"{name}.so"
     entry = cache_dir() / "modules" / f"{name}-{key[:12]}"
     if entry_problem(entry, key) is None:
@@ -441,7 +441,7 @@ def get_host_library(name: str, sources: dict[str, str], include_dirs: Iterable[
                 "extension": library, "extension_bytes": (build_dir / library).stat().st_size,
                 "extension_sha256": _sha256(build_dir / library), "sources": sorted(sources),
                 "omnigen_version": __version__, "toolchain": {**toolchain.fingerprint(), **torch_build.fingerprint()},
-                "flags": {"cxx": host_library_flags(torch_build)},
+                "flags": flags,
                 "build_seconds": round(time.perf_counter() - started, 2),
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }

@@ -362,12 +362,20 @@ def host_library_flags(torch_build: TorchBuild) -> list[str]:
     return [*HOST_LIBRARY_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_build.cxx11_abi)}"]
 
 
+def host_library_link_flags(torch_build: TorchBuild) -> list[str]:
+    """What a host library links against. libstdc++ is named here, shared: the shim hands strings, streams and
+    exceptions to and from libtorch, so both must use the process's one libstdc++. A compiler wrapper that adds
+    -static-libstdc++ (the GPU machine's $CXX does) would otherwise give the shim a private copy whose streams were
+    never set up: the first error message that formatted a number crashed the process (RESULTS.md, twelfth session)."""
+    return ["-L" + torch_build.library_dir, "-Wl,-rpath," + torch_build.library_dir, "-lc10", "-ltorch_cpu", "-ltorch",
+            "-Wl,-Bdynamic", "-lstdc++"]
+
+
 def host_library_ninja(build_dir: Path, sources: list[Path], library: Path, include_dirs: Iterable[Path],
                        toolchain: Toolchain, torch_build: TorchBuild) -> str:
     """build.ninja for a host C++ library against torch (the op shim): one compile-and-link step, no CUDA."""
     includes = ["-I" + str(d) for d in include_dirs] + ["-I" + d for d in torch_build.include_dirs]
-    libraries = ["-L" + torch_build.library_dir, "-Wl,-rpath," + torch_build.library_dir, "-lc10", "-ltorch_cpu",
-                 "-ltorch"]
+    libraries = host_library_link_flags(torch_build)
     e = _ninja_escape
     return "\n".join([
         "ninja_required_version = 1.3",
