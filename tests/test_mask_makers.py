@@ -401,3 +401,35 @@ def test_interval_errors():
     _raises("integer row indices.*lts.long", omnigen.mask_from_intervals, lts.bool(), lte)
     _raises("lts is empty", omnigen.mask_from_intervals, lts[:, :0], lte[:, :0], problems=2)
     _raises("2 problems", omnigen.mask_from_intervals, lts, lte, uts=lts.float(), problems=2)
+
+
+@pytest.mark.parametrize("source,fix", [
+    ("mod", r"omnigen\.mask_from_mod\(mask_mod, {B}, {S}\)"),
+    ("dense", r"omnigen\.mask_from_dense\(mask\) with a bool mask of shape \[{B}, {S}, {S}\] \(or \[{S}, {S}\] "
+              r"with batch={B}\)"),
+    ("intervals", r"omnigen\.mask_from_intervals\(lts, lte\[, uts, ute\]\) with vectors of shape \[{B}, {S}\]"),
+])
+def test_a_mask_from_data_of_another_size_names_its_maker_and_the_fix(source, fix):
+    """q/k/v of another batch or length than a mask made from data: the message says what the mask was made for and
+    how to make it again with that maker -- not the layouts' 'layout has N tokens' / omnigen.mask(..., batch=B)."""
+    mask = catalogue_mask("causal_documents", 1, 64).mask(source, tiles=[(32, 32)])
+    for B, S in ((2, 64), (1, 48), (3, 80)):
+        q = torch.randn(B, 2, S, 16)
+        with pytest.raises(ValueError) as info:
+            omnigen.attention(q, q, q, mask)
+        message = str(info.value)
+        assert f"made by omnigen.mask_from_{source} for B=1, S=64" in message and f"have B={B}, S={S}" in message
+        assert __import__("re").search(fix.format(B=B, S=S), message), message
+        assert "layout has" not in message and "omnigen.mask(" not in message
+    q = torch.randn(1, 2, 64, 16)
+    assert omnigen.attention(q, q, q, mask).shape == q.shape  # the size it was made for passes
+
+
+def test_a_mask_from_data_of_unknown_maker_names_all_three():
+    """A mask from data whose maker is not recorded (e.g. made by omnigen.plan.ruleless directly): the three makers."""
+    mask = omnigen.mask_from_dense(torch.ones(64, 64, dtype=torch.bool).tril(), tiles=[(32, 32)])
+    mask.made_by = None
+    q = torch.randn(2, 2, 64, 16)
+    with pytest.raises(ValueError, match=r"made from data for B=1, S=64 .*mask_from_mod\(mask_mod, 2, 64\) or "
+                                         r".*mask_from_dense.* or .*mask_from_intervals"):
+        omnigen.attention(q, q, q, mask)

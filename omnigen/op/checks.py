@@ -167,6 +167,8 @@ def check_mask(mask: Any, q: torch.Tensor, rules_key: str, rules_name: str) -> N
         raise ValueError(f"the mask was made for the rules '{mask.rules.name}', but this kernel is for "
                          f"'{rules_name}' (or other rules of that name)")
     B, _, S, _ = q.shape
+    if getattr(mask, "ruleless", False) and (mask.seq_len, mask.batch_size) != (S, B):
+        raise ValueError(_remade_from_data(mask, B, S))
     if mask.seq_len != S:
         raise ValueError(f"layout has {mask.seq_len} tokens but q/k/v have sequence length {S}")
     if mask.batch_size != B:
@@ -174,3 +176,26 @@ def check_mask(mask: Any, q: torch.Tensor, rules_key: str, rules_name: str) -> N
                          + (" (make it with omnigen.mask(..., batch=B) to repeat one layout)" if mask.batch_size == 1 else ""))
     if mask.device != q.device:
         raise ValueError(f"the mask is on {mask.device} but q is on {q.device}; make it with device={q.device}")
+
+
+# How each maker of masks from data is called again for B sequences of S tokens: a mask from data has no layout to
+# repeat over a batch (omnigen.mask(..., batch=B)), so the fix is to make it again from its input, of the right size.
+_REMAKE = {
+    "mask_from_mod": "omnigen.mask_from_mod(mask_mod, {B}, {S})",
+    "mask_from_dense": ("omnigen.mask_from_dense(mask) with a bool mask of shape [{B}, {S}, {S}] "
+                        "(or [{S}, {S}] with batch={B})"),
+    "mask_from_intervals": "omnigen.mask_from_intervals(lts, lte[, uts, ute]) with vectors of shape [{B}, {S}]",
+}
+
+
+def _remade_from_data(mask: Any, B: int, S: int) -> str:
+    """The message for a mask made from data whose batch or length differs from q/k/v's: what it was made for, what
+    the call has, and how to make it again (the maker that made it where known, else the three)."""
+    made = f"B={mask.batch_size}, S={mask.seq_len}"
+    by = mask.made_by if mask.made_by in _REMAKE else None
+    fixes = [_REMAKE[by]] if by else list(_REMAKE.values())
+    fix = " or ".join(f.format(B=B, S=S) for f in fixes)
+    again = "; then omnigen.reorder it again" if getattr(mask, "permutation", None) is not None else ""
+    return (f"the mask was made {'by omnigen.' + by if by else 'from data'} for {made} (batch, sequence length), "
+            f"but q/k/v have B={B}, S={S}: make it again for this call with {fix}{again}")
+

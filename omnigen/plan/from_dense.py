@@ -72,4 +72,4 @@ def mask_from_dense(
     B, S = mask.shape[0], mask.shape[-1]
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
     plans = [classify_slabs(lambda b0, b1, r0, r1: mask[b0:b1, r0:r1], B, S, m, n, device) for m, n in shapes]
-    return ruleless_mask(plans, B, S, batched, device, partial_bits)
+    return ruleless_mask(plans, B, S, batched, device, partial_bits, made_by="mask_from_dense")

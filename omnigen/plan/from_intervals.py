@@ -241,4 +241,5 @@ def mask_from_intervals(
     intervals = _Intervals(lts, lte, uts, ute, device)
     shapes = tile_shapes(intervals.S, device, tiles, head_dim, dtype)
     plans = [intervals.plan(m, n) for m, n in shapes]
-    return ruleless_mask(plans, intervals.B, intervals.S, intervals.batched, device, partial_bits)
+    return ruleless_mask(plans, intervals.B, intervals.S, intervals.batched, device, partial_bits,
+                        made_by="mask_from_intervals")

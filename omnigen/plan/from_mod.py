@@ -146,4 +146,4 @@ def mask_from_mod(
 
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
     plans = [classify_slabs(slab, B, S, m, n, device) for m, n in shapes]
-    return ruleless_mask(plans, B, S, True, device, partial_bits)
+    return ruleless_mask(plans, B, S, True, device, partial_bits, made_by="mask_from_mod")

@@ -61,6 +61,9 @@ class Mask:
 
     # True for a mask made from data (omnigen.plan.ruleless): its partial tiles exist only as bits, every one of them.
     ruleless = False
+    # Which maker made a mask from data ("mask_from_mod", "mask_from_dense", "mask_from_intervals"; None otherwise or
+    # when unknown): the op's checks name it in the fix when the mask meets q/k/v of another batch or length.
+    made_by: str | None = None
     # A reordered mask (omnigen.reorder) holds the plan of the permuted sequence and the permutation (int64 [S] or
     # [B, S]: reordered position i is original token permutation[..., i]) with its inverse; a call gathers q, k, v
     # into its order and scatters the output back (op/permute.py), so callers always see the original order.

@@ -235,8 +235,9 @@ def ruleless_layout(B: int, S: int, batched: bool) -> Layout | LayoutBatch:
 
 
 def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device: torch.device,
-                  partial_bits: int | str = "exact") -> Mask:
-    """The Mask of a mask without rules from its tile shapes' ShapePlans (see the module docstring)."""
+                  partial_bits: int | str = "exact", made_by: str | None = None) -> Mask:
+    """The Mask of a mask without rules from its tile shapes' ShapePlans (see the module docstring); `made_by`
+    names the public maker (`Mask.made_by`), so an error about the mask can say how to make it again."""
     layout = ruleless_layout(B, S, batched)
     tables = layout.tables(RULELESS_RULES, device)
     entries: dict[tuple[int, int], tuple] = {}
@@ -262,6 +263,7 @@ def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device
         entries[(block_m, block_n)] = (fwd_ptr, fwd_kv, bwd_ptr, bwd_q, *forward, *backward, plan)
     mask = Mask(RULELESS_RULES, layout, tables, entries, device, fixed)
     mask.ruleless = True  # (Mask.ruleless is False for masks of a layout)
+    mask.made_by = made_by
     return mask
 
 
