@@ -1,6 +1,12 @@
 """Masks made from data (`mask_from_dense`, `mask_from_mod`, `mask_from_intervals`) through the kernels on a GPU:
-forward and backward against a float64 reference on the dense mask, on masks no rule says. Partial tiles come
-from the mask's bits only (plan/ruleless.py); where a kernel cannot read them the op must refuse.
+issue 29's catalogue (omnigen.mask_catalogue, the nine masks its acceptance names), each made from its mask_mod, its
+dense mask and (where FlashMask can say it) its column intervals, forward and backward in bf16 against a float64
+reference on the dense mask; the inputs give identical plans and identical forward outputs. Partial tiles come from
+the mask's bits only (plan/ruleless.py); where a kernel cannot read them (off Hopper) the op must refuse.
+
+Cost: two kernel modules per head dim at most (the untuned forward and backward configs; one module serves every
+mask made from data, whatever its length), so the whole file builds a handful of modules and runs a few seconds of
+kernels; the float64 references dominate the rest.
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_mask_makers_gpu.py
 """
@@ -11,87 +17,96 @@ import pytest
 import torch
 
 import omnigen
+from omnigen.mask_catalogue import NAMES, catalogue_mask
+from omnigen.reference import attention_reference, attention_reference_grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+B = 2
+# (heads of q, heads of k/v, S): MHA at a length of whole 128-token tiles, GQA 8/2 at one that ends in a tail tile
+# (1000 = 7 * 128 + 104), so each head dim runs both and the tail rows and columns of partial tiles are exercised.
+SHAPES = {"mha_s2048": (4, 4, 2048), "gqa8x2_s1000": (8, 2, 1000)}
+DIMS = (64, 128)
 
 
 def _hopper() -> bool:
     return torch.cuda.get_device_capability()[0] == 9
 
 
-def _medusa_tree(S: int, prefix: int, gen: torch.Generator) -> torch.Tensor:
-    """A causal prefix, then a tree of candidate tokens: each sees the prefix and its ancestors (random parents)."""
-    allowed = torch.ones(S, S, dtype=torch.bool).tril()
-    parent = torch.randint(0, 4, (S,), generator=gen)
-    allowed[prefix:, prefix:] = False
-    for i in range(prefix, S):
-        allowed[i, i] = True
-        j = i - 1 - int(parent[i])
-        if j >= prefix:
-            allowed[i, prefix:] |= allowed[j, prefix:]
-    return allowed
+def _sources(made) -> tuple[str, ...]:
+    """The inputs the catalogue has for this mask (intervals only where FlashMask's two intervals can say it)."""
+    return ("mod", "dense", "intervals") if made.intervals is not None else ("mod", "dense")
 
 
-def _window_and_globals(S: int, window: int, globals_: int) -> torch.Tensor:
-    q = torch.arange(S)[:, None]
-    k = torch.arange(S)[None, :]
-    return (k <= q) & ((q - k < window) | (k < globals_) | (q < globals_))
-
-
-def _reference(q, k, v, allowed, d_out):
-    """float64 attention over the allowed keys; rows with none give zeros."""
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k64, v64))
-    scores = (q64 @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    p = torch.softmax(scores, -1).nan_to_num(0.0)
-    out = p @ vv
-    out.backward(d_out.double())
-    return out, (q64.grad, k64.grad, v64.grad)
-
-
-MASKS = {
-    "medusa": lambda S, g: _medusa_tree(S, S // 2, g),
-    "window_globals": lambda S, g: _window_and_globals(S, 200, 24),
-    "random_eviction": lambda S, g: torch.ones(S, S, dtype=torch.bool).tril() & (torch.rand(S, S, generator=g) > 0.3),
-}
-
-
-@pytest.mark.parametrize("name", sorted(MASKS))
-@pytest.mark.parametrize("D", [64, 128])
-def test_masks_from_data_match_the_dense_reference(name, D):
-    if not _hopper():
-        pytest.skip("masks made from data run on the sm90 family (Hopper)")
-    B, Hq, Hkv, S = 2, 4, 2, 1024
-    gen = torch.Generator().manual_seed(D)
-    allowed = torch.stack([MASKS[name](S, gen) for _ in range(B)])
-    mask = omnigen.mask_from_dense(allowed.cuda(), device="cuda", head_dim=D, dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-            for _ in range(2))
+def _inputs(Hq: int, Hkv: int, S: int, D: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     d_out = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = omnigen.attention(q, k, v, mask)
-    out.backward(d_out)
-    want, grads = _reference(q, k, v, allowed.cuda(), d_out)
-    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-    for name_, got, expected in zip("qkv", (q.grad, k.grad, v.grad), grads):
-        torch.testing.assert_close(got.double(), expected, atol=6e-2, rtol=5e-2, msg=lambda m: f"d{name_}: {m}")
+    return q, k, v, d_out
 
 
-def test_mod_and_dense_give_the_same_outputs():
+def _run(mask, q, k, v, d_out) -> tuple[torch.Tensor, ...]:
+    """(out, lse, dq, dk, dv) of one call through omnigen.attention."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = omnigen.attention(q, k, v, mask, return_lse=True)
+    return (out, lse, *torch.autograd.grad(out, (q, k, v), d_out))
+
+
+def _assert_grad_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float) -> None:
+    """bf16 keeps 8 bits and the backward rounds P and dS to bf16 before its second GEMMs, so an element's error
+    follows the tensor's scale, not the element's: `rel` of the largest magnitude absolute, `rel` relative."""
+    scale = float(want.abs().max().clamp(min=1e-3))
+    torch.testing.assert_close(got.double(), want.double(), atol=rel * scale, rtol=rel, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("name", NAMES)
+def test_catalogue_masks_match_the_dense_reference_from_every_input(name, D, shape):
     if not _hopper():
         pytest.skip("masks made from data run on the sm90 family (Hopper)")
-    S, D = 768, 64
+    Hq, Hkv, S = SHAPES[shape]
+    made = catalogue_mask(name, B, S, device="cuda", seed=D)
+    dense = made.dense()
+    masks = {source: made.mask(source, head_dim=D, dtype=torch.bfloat16) for source in _sources(made)}
+    # identical plans: the same schedules and the same partial tiles' bits, whichever input made the mask
+    for source, mask in masks.items():
+        assert mask.tiles == masks["dense"].tiles, source
+        for got, want in zip(mask.schedules, masks["dense"].schedules):
+            assert torch.equal(got, want), source
 
-    def mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((q_idx - kv_idx < 100) | (kv_idx < 16))
+    q, k, v, d_out = _inputs(Hq, Hkv, S, D, seed=len(name))
+    want, want_lse = attention_reference(q, k, v, dense)
+    want_grads = attention_reference_grads(q, k, v, dense, d_out)
+    results = {source: _run(mask, q, k, v, d_out) for source, mask in masks.items()}
 
-    q = torch.arange(S)[:, None]
-    k = torch.arange(S)[None, :]
-    dense = (k <= q) & ((q - k < 100) | (k < 16))
-    a = omnigen.mask_from_mod(mod, 1, S, device="cuda", head_dim=D, dtype=torch.bfloat16)
-    b = omnigen.mask_from_dense(dense.cuda(), device="cuda", head_dim=D, dtype=torch.bfloat16)
-    x = torch.randn(1, 2, S, D, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(omnigen.attention(x, x, x, a), omnigen.attention(x, x, x, b))
+    out, lse, *grads = results["dense"]
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=1e-3, rtol=1e-3)
+    for label, got, expected in zip("qkv", grads, want_grads):
+        _assert_grad_close(got, expected, f"d{label}", 5e-2)
+    # rows with no allowed key (qk_sparse's dropped queries, packed_alpaca's padding): zeros, -inf, no gradient
+    empty = (~dense.any(-1))[:, None].expand(B, Hq, S)
+    assert bool(empty.any()) == (name in ("qk_sparse", "packed_alpaca"))
+    assert not out[empty].any() and torch.isneginf(lse[empty]).all() and not grads[0][empty].any()
+
+    for source, (o, l, *g) in results.items():
+        assert torch.equal(o, out) and torch.equal(l, lse), f"{source}: the forward differs from the dense mask's"
+        for label, got, expected in zip("qkv", g, grads):
+            # dQ is accumulated with atomics, in whatever order the blocks finish: a bf16 unit apart at most
+            _assert_grad_close(got, expected, f"{source} d{label}", 2.0**-7)
+
+
+def test_masks_from_data_are_refused_off_hopper():
+    """A kernel that cannot read partial tiles' bits (the sm80 family) must refuse a mask made from data, saying
+    so, never run it with the all-pad stand-in rules (rows of zeros on its partial tiles)."""
+    if _hopper():
+        pytest.skip("Hopper runs masks made from data (the test above)")
+    made = catalogue_mask("random_eviction", 1, 512, device="cuda")
+    mask = made.mask("mod", head_dim=64, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="made from data.*Hopper"):
+        omnigen.attention(q, q, q, mask)
