@@ -29,7 +29,7 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import spill_allowance
 from omnigen.jit import cache
-from omnigen.kernels.launch import grouped_dkdv, launch_backward, launch_delta, launch_forward
+from omnigen.kernels.launch import launch_backward, launch_delta, launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.kernels.sm90 import resources as sm90_resources
@@ -131,7 +131,7 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     # overwrites it: poison it.
     overwritten = deterministic and not getattr(module, "ORDERED_DQ", False)
     dq_accum = torch.full((B, Hq, S, D), float("nan") if overwritten else 0.0, device=q.device, dtype=torch.float32)
-    partials = Hq != Hkv and not grouped_dkdv(module, Hq, Hkv, deterministic)
+    partials = Hq != Hkv
     if not partials:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
         shape = (B, S, Hkv, D) if strided_out else (B, Hkv, S, D)
         dk = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
@@ -141,7 +141,7 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     else:  # float32 partials per query head
         dk = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
         dv = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
-    launch_backward(module, plan, q, k, v, o, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
+    launch_backward(module, plan, q, k, v, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
     torch.cuda.synchronize()
     if partials:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
@@ -513,9 +513,9 @@ def test_backward_rejects_bad_arguments(built_variants):
     plan = omnigen.plan(TRANSFUSION, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
     q, k, v, d_o = _inputs(1, 2, 2, 64, 128, torch.bfloat16, strided=False)
     good = dict(
-        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=q.data_ptr(), lse=q.data_ptr(), d_o=d_o.data_ptr(),
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), lse=q.data_ptr(), d_o=d_o.data_ptr(),
         delta=q.data_ptr(), dq_accum=q.data_ptr(), dk=k.data_ptr(), dv=v.data_ptr(),
-        **{f"{t}_stride_{s}": 8 for t in ("q", "k", "v", "o", "d_o", "dk", "dv") for s in "bhs"},
+        **{f"{t}_stride_{s}": 8 for t in ("q", "k", "v", "d_o", "dk", "dv") for s in "bhs"},
         batch=1, heads_q=2, heads_kv=2, seq_len=64, scale=0.1,
         fwd_ptr=plan.fwd_ptr.data_ptr(), fwd_kv=plan.fwd_kv.data_ptr(), bwd_ptr=plan.bwd_ptr.data_ptr(),
         bwd_q=plan.bwd_q.data_ptr(), token_segment=plan.fwd_ptr.data_ptr(), token_modality=plan.fwd_ptr.data_ptr(),
@@ -578,7 +578,7 @@ def _speed_report(module, head_dim: int, family: str, batch: int = 4, determinis
     def backward(deterministic):
         if not deterministic or module.ORDERED_DQ:
             dq_accum.zero_()  # the caller's job when the kernels add into it, so it is timed with it
-        launch_backward(module, plan, q, k, v, o, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
+        launch_backward(module, plan, q, k, v, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
 
     forward = _timed(lambda: run_forward(module, plan, q, k, v, scale))
     atomic = _timed(lambda: backward(False))

@@ -229,7 +229,7 @@ def test_gqa_dk_dv_are_per_query_head_partials():
     names = codegen.source_names(RULES, config)
     backward, binding = sources[names["backward"]], sources[names["binding"]]
     assert "const bool partials = args.heads_q != args.heads_kv;" in backward and "dkdv_group" not in backward
-    assert "constexpr bool kGqaInKernel = false;" in binding
+    assert "GQA_IN_KERNEL" not in binding and "dkdv_per_kv_head" not in binding  # no kernel sums a group itself
 
 
 def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():
@@ -251,21 +251,6 @@ def test_the_hopper_backward_spill_allowance_names_its_kernel():
     figures = {"spill_store_bytes": 52, "spill_load_bytes": 56}
     assert resources.excess_spill_bytes("_ZN4x6hopper18hopper_dkdv_kernelE", figures) == 0
     assert resources.excess_spill_bytes("_ZN4x6hopper18hopper_dkdv_kernelE", {"spill_store_bytes": 200}) == 200
-
-
-def test_grouped_dkdv_follows_the_module_flags():
-    from types import SimpleNamespace
-
-    from omnigen.kernels.launch import grouped_dkdv
-
-    plain = SimpleNamespace(GQA_IN_KERNEL=False, ORDERED_DQ=False)
-    grouped = SimpleNamespace(GQA_IN_KERNEL=True, ORDERED_DQ=False)
-    ordered = SimpleNamespace(GQA_IN_KERNEL=True, ORDERED_DQ=True)
-    assert not grouped_dkdv(plain, 8, 2, False) and not grouped_dkdv(grouped, 8, 8, False)
-    assert grouped_dkdv(grouped, 8, 2, False)
-    assert not grouped_dkdv(grouped, 8, 2, True)  # deterministic runs the sm80 backward: per-head partials
-    assert grouped_dkdv(ordered, 8, 2, True)
-    assert not grouped_dkdv(object(), 8, 2, False)  # a module built before the flag existed
 
 
 @pytest.mark.parametrize("on", [False, True])

@@ -28,7 +28,7 @@ import jinja2
 
 from ..version import __version__
 from .. import targets as targets_table
-from ..kernels import MAX_MODALITIES, check, family_of
+from ..kernels import MAX_MODALITIES, arguments, check, family_of
 from ..kernels.family import KERNELS_DIR, KernelFamily
 from ..rules import Rules
 from ..targets import ELEMENT_TYPES, KernelConfig
@@ -245,5 +245,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         names["kernel"]: env.get_template(family.sources["kernel"]).render(kernel_context),
         names["backward"]: env.get_template("forward_only.cu.j2" if config.forward_only else family.sources["backward"])
                                 .render(kernel_context),
-        names["binding"]: env.get_template("binding.cpp.j2").render(dict(context, header=_header(rules, config, module))),
+        names["binding"]: env.get_template("binding.cpp.j2").render(dict(
+            context, header=_header(rules, config, module), args=arguments, launch_structs=arguments.STRUCTS,
+            forward_struct=arguments.FORWARD, backward_struct=arguments.BACKWARD, delta_struct=arguments.DELTA)),
     }

@@ -1,7 +1,8 @@
-"""Launching a built module: the pointer, stride and size arguments its binding takes.
+"""Launching a built module from Python: the pointer, stride and size arguments its binding takes.
 
 Every family shares the binding (common/templates/binding.cpp.j2): raw pointers, strides and a CUDA
-stream, so the extension never includes torch headers. This is the one place that packs them.
+stream, so the extension never includes torch headers. The arguments are named here and put in the binding's
+order by their one description (kernels/arguments.py), which also makes the C structs and the binding.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from .arguments import BACKWARD, DELTA, FORWARD, call_arguments
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,6 @@ class Capabilities:
     persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
     partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
     ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
-    gqa_in_kernel: bool  # the backward can sum a kv head's query heads' dK/dV itself
     launch_abi: int | None  # omnigen/launch_abi.h's kLaunchAbi; None: a module without native launches
     forward_launch: int  # the launch functions' addresses, for the op shim (omnigen/op/native/)
     backward_launch: int
@@ -46,7 +48,7 @@ def capabilities(module: Any) -> Capabilities:
             has_backward=bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))),
             backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
             persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
-            ordered_dq=flag("ORDERED_DQ"), gqa_in_kernel=flag("GQA_IN_KERNEL"),
+            ordered_dq=flag("ORDERED_DQ"),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
             backward_launch=int(getattr(module, "BACKWARD_LAUNCH", 0)),
             delta_launch=int(getattr(module, "DELTA_LAUNCH", 0)))
@@ -97,69 +99,68 @@ def _partial_bits_keywords(module: Any, slot: torch.Tensor | None, bits: torch.T
     return {"partial_slot": slot.data_ptr(), "partial_bits": bits.data_ptr(), "partial_bits_words": bits.numel()}
 
 
+def _tensor_values(**tensors: torch.Tensor) -> dict[str, Any]:
+    """Each tensor's address by its name and its strides as `<name>_strides` (what call_arguments reads)."""
+    values: dict[str, Any] = {}
+    for name, t in tensors.items():
+        values[name] = t.data_ptr()
+        values[f"{name}_strides"] = t.stride()
+    return values
+
+
+def _sizes(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:
+    B, Hq, S, _ = q.shape
+    return {"batch": B, "heads_q": Hq, "heads_kv": k.shape[1], "seq_len": S}
+
+
+def _tables(p: Any) -> dict[str, int]:
+    """The plan's schedules and the layout's token tables, by field name."""
+    t = p.tables
+    return {"fwd_ptr": p.fwd_ptr.data_ptr(), "fwd_kv": p.fwd_kv.data_ptr(),
+            "token_segment": t.token_segment.data_ptr(), "token_modality": t.token_modality.data_ptr(),
+            "token_doc": t.token_doc.data_ptr()}
+
+
 def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, scale: float) -> None:
     """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides)."""
-    B, Hq, S, _ = q.shape
-    t = p.tables
-    extra: dict[str, Any] = {}
+    values = {**_tensor_values(q=q, k=k, v=v, o=out), "lse": lse.data_ptr(), **_sizes(q, k), "scale": scale,
+              **_tables(p)}
+    keywords: dict[str, Any] = {}
     if capabilities(module).persistent_forward:  # its work tiles come from a counter, zeroed per launch
         # A fresh one per call (a memset on the stream): two launches on two streams never share a counter.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-        extra["tile_counter"] = counter.data_ptr()
-    extra.update(_partial_bits_keywords(module, getattr(p, "partial_slot", None), getattr(p, "partial_bits", None)))
-    module.forward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        B, Hq, k.shape[1], S, scale,
-        p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(),
-        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-        _stream(), **extra,
-    )
+        keywords["tile_counter"] = counter.data_ptr()
+    keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot", None), getattr(p, "partial_bits", None)))
+    module.forward(*call_arguments(FORWARD, values, _stream()), **keywords)
 
 
 def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> None:
     """Delta = rowsum(dO * O) into `delta` [B, Hq, S] float32."""
     B, Hq, S, _ = out.shape
-    module.backward_delta(
-        out.data_ptr(), d_out.data_ptr(), delta.data_ptr(), *out.stride()[:3], *d_out.stride()[:3], B, Hq, S, _stream()
-    )
+    values = {**_tensor_values(o=out, d_o=d_out), "delta": delta.data_ptr(), "batch": B, "heads_q": Hq, "seq_len": S}
+    module.backward_delta(*call_arguments(DELTA, values, _stream()))
 
 
-def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor,
-                    dk: torch.Tensor, dv: torch.Tensor, scale: float, deterministic: bool) -> None:
+def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                    d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, scale: float, deterministic: bool) -> None:
     """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed (unless deterministic on a module
     without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or under GQA float32 per
-    q head [B, Hq, S, D] unless `grouped_dkdv(module, ...)` (then the element type [B, Hkv, S, D])."""
+    query head [B, Hq, S, D] (the caller sums each group)."""
     B, Hq, S, _ = q.shape
-    t = p.tables
-    extra: dict[str, Any] = {}
+    values = {**_tensor_values(q=q, k=k, v=v, d_o=d_out, dk=dk, dv=dv), "lse": lse.data_ptr(),
+              "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(), **_sizes(q, k), "scale": scale,
+              **_tables(p), "bwd_ptr": p.bwd_ptr.data_ptr(), "bwd_q": p.bwd_q.data_ptr(),
+              "deterministic": deterministic}
+    keywords: dict[str, Any] = {}
     if deterministic and capabilities(module).ordered_dq:  # the order of the dQ additions, per 64-row block
         # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
         ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
-        extra = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
-    if grouped_dkdv(module, Hq, k.shape[1], deterministic):
-        extra["dkdv_per_kv_head"] = True
-    extra.update(_partial_bits_keywords(module, getattr(p, "partial_slot_bwd", None),
-                                        getattr(p, "partial_bits_bwd", None)))
-    module.backward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), d_out.data_ptr(),
-        delta.data_ptr(), dq_accum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *d_out.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3],
-        B, Hq, k.shape[1], S, scale,
-        p.fwd_ptr.data_ptr(), p.fwd_kv.data_ptr(), p.bwd_ptr.data_ptr(), p.bwd_q.data_ptr(),
-        t.token_segment.data_ptr(), t.token_modality.data_ptr(), t.token_doc.data_ptr(),
-        deterministic, _stream(), **extra,
-    )
-
-
-def grouped_dkdv(module: Any, heads_q: int, heads_kv: int, deterministic: bool) -> bool:
-    """Whether the module's backward sums each kv head's query heads' dK/dV itself (GQA_IN_KERNEL: its Hopper
-    kernel, which deterministic mode runs only with ORDERED_DQ), so dk/dv are the real [B, Hkv, S, D]."""
-    found = capabilities(module)
-    return heads_q != heads_kv and found.gqa_in_kernel and (not deterministic or found.ordered_dq)
+        keywords = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
+    keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot_bwd", None),
+                                           getattr(p, "partial_bits_bwd", None)))
+    module.backward(*call_arguments(BACKWARD, values, _stream()), **keywords)
 
 
 def forward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -185,14 +186,14 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
     launch_delta(module, out, d_out, delta)
     dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    partials = Hq != Hkv and not grouped_dkdv(module, Hq, Hkv, deterministic)
+    partials = Hq != Hkv
     dk, dv = (heads_inner(B, Hkv, S, D, dtype=t.dtype, device=q.device) for t in (k, v))
     if not partials:
         dk_kernel, dv_kernel = dk, dv
     else:  # per q-head partial dK/dV, summed over each group of q heads below
         dk_kernel = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
         dv_kernel = torch.empty_like(dk_kernel)
-    launch_backward(module, p, q, k, v, out, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic)
+    launch_backward(module, p, q, k, v, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic)
     if partials:
         dk.copy_(dk_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
         dv.copy_(dv_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))

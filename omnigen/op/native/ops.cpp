@@ -32,7 +32,7 @@ enum Schedule : int64_t {
 };
 
 // What a module reads besides the arguments every launch takes (omnigen/op/native/__init__.py: PERSISTENT_FORWARD...).
-enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGqaInKernel = 8 };
+enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4 };
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
 // flags, launch ABI].
@@ -226,11 +226,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   raise_unless_ok(choice.delta(delta_args, stream, message, sizeof message), message);
 
   const bool ordered = deterministic && (choice.flags & kOrderedDq);
-  const bool grouped = Hq != Hkv && (choice.flags & kGqaInKernel) && (!deterministic || ordered);
-  const bool partials = Hq != Hkv && !grouped;  // dK/dV per query head in fp32, summed over each group below
+  const bool partials = Hq != Hkv;  // dK/dV per query head in fp32, summed over each group below
   at::Tensor dq_accum = at::zeros({B, Hq, S, D}, f32);
   at::Tensor dk = heads_inner(B, Hkv, S, D, k.options()), dv = heads_inner(B, Hkv, S, D, v.options());
-  // Under GQA without the in-kernel sum: dK/dV per query head in fp32, summed into dk/dv below.
   const at::Tensor dk_kernel = partials ? at::empty({B, Hq, S, D}, f32) : dk;
   const at::Tensor dv_kernel = partials ? at::empty({B, Hq, S, D}, f32) : dv;
 
@@ -249,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   args.bwd_ptr = address<int32_t>(plan[kBwdPtr]);
   args.bwd_q = address<int32_t>(plan[kBwdQ]);
   args.deterministic = deterministic ? 1 : 0;
-  args.dkdv_group = grouped ? int(Hq / Hkv) : 1;
+  args.dkdv_group = 1;
   // Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
   at::Tensor ranks, counters;
   if (ordered) {

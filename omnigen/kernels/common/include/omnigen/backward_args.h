@@ -1,18 +1,20 @@
-// omnigen: the backward kernels' arguments, shared by the generated binding (host C++, no CUDA headers)
-// and the generated backward kernel file. Pointers are device addresses; strides count elements.
+// omnigen: the backward kernels' arguments, shared by the generated binding (host C++, no CUDA headers), the generated
+// kernel files and the op shim. Pointers are device addresses; strides count elements.
+// Generated from omnigen/kernels/arguments.py (python -m omnigen.kernels.arguments --write): edit that, not this.
 #pragma once
 #include <cstdint>
 
 namespace omnigen {
 
+// What one backward launch (the dK/dV kernel, and the dQ kernel where separate) reads and writes.
 struct BackwardArgs {
-  const void* q;    // [batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous
-  const void* k;    // [batch, heads_kv, seq_len, head_dim]
-  const void* v;    // [batch, heads_kv, seq_len, head_dim]
-  const void* d_o;  // upstream gradient of the output, [batch, heads_q, seq_len, head_dim]
-  const float* lse;    // the forward's log-sum-exp, [batch, heads_q, seq_len], float32, contiguous
-  const float* delta;  // rowsum(dO * O), [batch, heads_q, seq_len], float32, contiguous
-  float* dq_accum;     // dQ, [batch, heads_q, seq_len, head_dim], float32, contiguous (zeroed by the caller)
+  const void* q;                  // [batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous
+  const void* k;                  // [batch, heads_kv, seq_len, head_dim]
+  const void* v;                  // [batch, heads_kv, seq_len, head_dim]
+  const void* d_o;                // upstream gradient of the output, [batch, heads_q, seq_len, head_dim]
+  const float* lse;               // the forward's log-sum-exp, [batch, heads_q, seq_len], float32, contiguous
+  const float* delta;             // rowsum(dO * O), [batch, heads_q, seq_len], float32, contiguous
+  float* dq_accum;                // dQ, [batch, heads_q, seq_len, head_dim], float32, contiguous (zeroed by the caller)
   // dK and dV of every *query* head: [batch, heads_q, seq_len, head_dim]. The element type of q/k/v when
   // heads_q == heads_kv (then they are the real dk/dv); float32 partials the caller sums over each group
   // of heads_q / heads_kv query heads when they differ.
@@ -29,19 +31,17 @@ struct BackwardArgs {
   const int32_t* fwd_ptr;         // omnigen.Plan.fwd_ptr (read by the deterministic dQ kernel only)
   const int32_t* fwd_kv;          // omnigen.Plan.fwd_kv
   const int32_t* bwd_ptr;         // omnigen.Plan.bwd_ptr: [batch * num_kv_tiles * 3 + 1]
-  const int32_t* bwd_q;           // omnigen.Plan.bwd_q
+  const int32_t* bwd_q;           // omnigen.Plan.bwd_q (empty, address 0, when the plan visits no tile)
   const int32_t* token_segment;   // LayoutTables.token_segment [batch, seq_len]
   const int32_t* token_modality;  // LayoutTables.token_modality [batch, seq_len]
   const int32_t* token_doc;       // LayoutTables.token_doc [batch, seq_len]
-  int deterministic;  // 0: dQ by atomicAdd from the dK/dV kernel; 1: a second kernel per q-tile, no atomics
+  int deterministic;              // 0: dQ by atomicAdd from the dK/dV kernel; 1: a second kernel per q-tile, no atomics
   // Deterministic mode of modules whose Hopper backward orders its dQ additions (ORDERED_DQ): each
   // backward-schedule entry's rank among its q-tile's kv-tiles (omnigen.Plan.dq_ranks, parallel to bwd_q) and
   // one zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise.
   const int32_t* dq_rank;
   int32_t* dq_semaphore;
-  // Query heads whose dK/dV one CTA sums: 1 (dk/dv per query head, as above), or heads_q / heads_kv in modules
-  // with GQA_IN_KERNEL, when dk/dv are the real [batch, heads_kv, seq_len, head_dim] of the element type.
-  int dkdv_group;
+  int dkdv_group;                 // 1: dK/dV per query head (no kernel sums a group's heads itself)
   // The Hopper backward's partial steps: the mask's bits of the backward schedule (omnigen.plan.bits, transposed
   // tiles), the slot of each kv-tile column's first partial entry [batch * num_kv_tiles + 1]. 0 slots: none.
   const int32_t* partial_slot;

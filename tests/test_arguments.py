@@ -1,0 +1,72 @@
+"""The kernels' launch arguments are described once (omnigen/kernels/arguments.py): the C headers, the binding's
+parameters and checks, and the Python kernels' calls all follow that description."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from omnigen import Rules
+from omnigen.jit import codegen
+from omnigen.kernels import arguments
+from omnigen.kernels.sm90 import resources
+from omnigen.targets import KernelConfig, TileConfig
+
+RULES = Rules.load(Path(__file__).resolve().parents[1] / "examples" / "rules" / "transfusion.yaml")
+CONFIGS = [KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128)),
+           KernelConfig(64, "fp16", "sm_80", TileConfig(128, 64, 4, 2))]
+
+
+def test_the_headers_are_the_descriptions():
+    assert arguments.stale_headers() == [], "run: python -m omnigen.kernels.arguments --write"
+    assert arguments.main([]) == 0
+
+
+def test_a_changed_description_makes_the_headers_stale(monkeypatch):
+    extra = arguments.Field("extra", "int", "a field the headers do not have")
+    changed = arguments.LaunchStruct(arguments.DELTA.name, arguments.DELTA.function, arguments.DELTA.launch,
+                                     arguments.DELTA.comment, (*arguments.DELTA.members, extra))
+    monkeypatch.setattr(arguments, "DELTA", changed)
+    assert arguments.stale_headers() == ["backward_args.h"]
+    assert arguments.main([]) == 1
+
+
+def _declared_fields(header: str, struct: str) -> list[str]:
+    """The member names of `struct` in a C header, in order."""
+    body = re.search(rf"struct {struct} \{{(.*?)\n\}};", header, re.S).group(1)
+    names: list[str] = []
+    for line in body.splitlines():
+        code = line.split("//")[0].strip()
+        if code:
+            names += [part.strip().split()[-1].lstrip("*") for part in code.rstrip(";").split(",")]
+    return names
+
+
+@pytest.mark.parametrize("struct", arguments.STRUCTS, ids=lambda s: s.name)
+def test_every_field_is_in_the_header_in_order(struct):
+    header = "".join((arguments.INCLUDE_DIR / name).read_text() for name in arguments.headers())
+    assert _declared_fields(header, struct.name) == [f.name for f in struct.fields]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.arch)
+@pytest.mark.parametrize("struct", arguments.STRUCTS, ids=lambda s: s.name)
+def test_the_binding_takes_what_the_python_kernels_pass(config, struct):
+    """The order the binding declares (its py::arg list) is the order call_arguments produces, then the keywords,
+    and every field of the struct is set."""
+    binding = codegen.render(RULES, config)[codegen.source_names(RULES, config)["binding"]]
+    definition = re.search(rf'm\.def\("{struct.function}", &{struct.function},(.*?)\);\n', binding, re.S).group(1)
+    declared = re.findall(r'py::arg\("(\w+)"\)', definition)
+    values = {f.name: f.name for f in struct.fields}
+    values.update({f"{s.tensor}_strides": [f.name for f in s.fields] for s in struct.strides})
+    positional = list(arguments.call_arguments(struct, values, stream="stream"))
+    keywords = [f.name for f in struct.keywords] + (["partial_bits_words"] if struct.has_partial_bits else [])
+    assert declared == positional + keywords
+    unset = [f.name for f in struct.fields if f"args.{f.name} = " not in binding]
+    assert not unset  # every field is given a value (from a parameter, or by the binding's own code)
+
+
+def test_wrong_values_name_the_missing_field():
+    with pytest.raises(KeyError, match="ForwardArgs: no value for 'k'"):
+        arguments.call_arguments(arguments.FORWARD, {"q": 1}, stream=0)
