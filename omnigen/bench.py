@@ -18,7 +18,9 @@ Masks no rule says (issue 29; `run_masks`, `omnigen bench --mask NAME` or `--mas
   flex           torch.compile(flex_attention) with create_block_mask(mod, B, None, S, S) made beforehand
 
 and the making itself: each row also has `make_ms` (mask_from_mod, or create_block_mask; wall clock between
-device synchronisations, median of MAKE_RUNS after one untimed call) and `mask_mib` (the tensors the mask holds).
+device synchronisations, median of MAKE_RUNS after one untimed call), `mask_mib` (the tensors the mask holds) and,
+for omnigen, `partial_tiles` (mask memory is O(S + partial tiles): the bits are 1 bit a pair of each). With
+`tile_cost` (`--tile-cost`), `mask_tile_cost` times each mask's visited tiles all partial against all full.
 
 Effective TFLOP/s counts only allowed pairs: forward 4 * D * pairs * Hq / t (pairs summed over the
 batch); forward+backward uses 3.5x the forward FLOPs. Times are CUDA events after warm-up, the median
@@ -89,9 +91,13 @@ class Result:
     rows: list[dict] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    tile_costs: list[dict] = field(default_factory=list)  # mask_tile_cost rows (omnigen bench --mask ... --tile-cost)
 
     def to_json(self) -> str:
-        return json.dumps({"info": self.info, "rows": self.rows, "skipped": self.skipped}, indent=1)
+        data = {"info": self.info, "rows": self.rows, "skipped": self.skipped}
+        if self.tile_costs:
+            data["tile_costs"] = self.tile_costs
+        return json.dumps(data, indent=1)
 
 
 def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
@@ -374,7 +380,10 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
     omnigen_mask = None
     try:
         make_ms, omnigen_mask = time_making(lambda: mask_from_mod(mod, B, S, "cuda", head_dim=D, dtype=q.dtype))
-        made["omnigen"] = {"make_ms": round(make_ms, 3), "mask_mib": round(omnigen_mask.nbytes() / 2**20, 3)}
+        # partial tiles over every tile shape the mask holds, as its bits (in mask_mib) are
+        partial = sum(omnigen_mask.plan(*shape).counts()["partial"] for shape in omnigen_mask.tiles)
+        made["omnigen"] = {"make_ms": round(make_ms, 3), "mask_mib": round(omnigen_mask.nbytes() / 2**20, 3),
+                           "partial_tiles": partial}
     except Exception as exc:  # noqa: BLE001 - reported; flex may still run
         skip("omnigen", f"making the mask: {_first_line(exc)}")
     pairs = omnigen_mask.allowed_pairs if omnigen_mask is not None else None
@@ -411,8 +420,10 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
 def run_masks(masks: list[str] | tuple[str, ...], *, dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES,
               tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS, seed: int = 0, rounds: int = 6,
               reps: int = 3, only: tuple[str, ...] = MASK_PEERS, on_step: Callable[[str], None] | None = None,
-              on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS) -> Result:
-    """Every (mask, S, D) of `mask_workloads` through omnigen and FlexAttention. Raises NoGPU without CUDA."""
+              on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS,
+              tile_cost: bool = False) -> Result:
+    """Every (mask, S, D) of `mask_workloads` through omnigen and FlexAttention; with `tile_cost`, also each one's
+    `mask_tile_cost` (into `result.tile_costs`). Raises NoGPU without CUDA."""
     work = mask_workloads(masks, dims, sizes, tokens, heads)  # bad names fail before the GPU check
     if not torch.cuda.is_available():
         raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
@@ -426,18 +437,66 @@ def run_masks(masks: list[str] | tuple[str, ...], *, dims=DEFAULT_DIMS, sizes=DE
                                      settle_ms=settle_ms)
         result.rows += rows
         result.skipped += skipped
+        if tile_cost:
+            try:
+                result.tile_costs.append(mask_tile_cost(shape, seed=seed, rounds=rounds, reps=reps,
+                                                        settle_ms=settle_ms))
+            except Exception as exc:  # noqa: BLE001 - reported with the skips, never fatal
+                result.skipped.append({"impl": "tile_cost", "D": shape.dim, "S": shape.seq_len, "B": shape.batch,
+                                       "reason": _first_line(exc)})
+            if on_step:
+                on_step("tile cost timed")
         for row in rows:
             if on_row:
                 on_row(row)
     return result
 
 
+def mask_tile_cost(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: int = 3,
+                   settle_ms: float = timing.BENCH_SETTLE_MS) -> dict:
+    """What a partial tile costs against a full one on this mask (issue 29: "a partial tile costs <= 1.2x a full
+    one"), for masks made from data, whose partial tiles always come from bits.
+
+    The mask is made from its mod (mask_from_mod), then run two ways that visit exactly its tiles, in its schedules'
+    order (`plan.ruleless.every_tile_as`): every visited tile partial (read from bits; the same output) and every
+    visited tile full (no mask work). The ratio of the two times is the cost of a partial tile over a full one on
+    this mask's grid, tail and load balance -- unlike `tile_cost`, whose synthetic layouts are every tile partial
+    or every tile full by construction and whose partial tiles come from a rules mask. Times: round robin, medians."""
+    from .plan.ruleless import every_tile_as
+    from .semantics import EMPTY, FULL, PARTIAL
+
+    B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
+    q, k, v, d_out = random_inputs(B, H, S, D, seed)
+    mask = mask_from_mod(work.mask_mod(seed), B, S, "cuda", head_dim=D, dtype=q.dtype)
+    variants = {"full": every_tile_as(mask, FULL), "partial": every_tile_as(mask, PARTIAL)}
+    functions: dict[str, Callable] = {}
+    for name, m in variants.items():
+        forward = lambda m=m: attention(q, k, v, m)  # noqa: E731
+        functions[f"{name}_fwd"] = forward
+        functions[f"{name}_fwd_bwd"] = lambda forward=forward: torch.autograd.grad(forward(), (q, k, v), d_out)
+    for function in functions.values():
+        function()  # builds the kernels before timing
+    times = timing.time_round_robin(functions, rounds=rounds, reps=reps, settle_ms=settle_ms)
+    kinds = mask.plan(*mask.tiles[0]).kinds
+    row: dict = {"mask": work.mask, "D": D, "S": S, "B": B, "H": H, "tile": "x".join(map(str, mask.tiles[0])),
+                 "visited_tiles": int((kinds != EMPTY).sum()), "partial_tiles": int((kinds == PARTIAL).sum())}
+    for label, values in times.items():
+        row[f"{label}_ms"] = round(timing.median(values), 4)
+    for part in ("fwd", "fwd_bwd"):
+        row[f"partial_over_full_{part}"] = round(row[f"partial_{part}_ms"] / row[f"full_{part}_ms"], 3)
+    del q, k, v, d_out, functions, variants, mask
+    torch.cuda.empty_cache()
+    return row
+
+
 STEPS_PER_MASK_WORKLOAD = 4
 
 
-def count_mask_steps(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES) -> int:
+def count_mask_steps(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES,
+                     tile_cost: bool = False) -> int:
     """How many on_step calls `run_masks` makes (for a progress bar)."""
-    return STEPS_PER_MASK_WORKLOAD * len(check_mask_specs(masks)) * len(tuple(dims)) * len(tuple(sizes))
+    per_workload = STEPS_PER_MASK_WORKLOAD + (1 if tile_cost else 0)
+    return per_workload * len(check_mask_specs(masks)) * len(tuple(dims)) * len(tuple(sizes))
 
 
 STEPS_PER_WORKLOAD = 4
@@ -479,7 +538,7 @@ def count_steps(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: in
 COLUMNS = ("rules", "impl", "D", "S", "B", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "fwd_vs_flex",
            "fwd_bwd_vs_flex", "peak_mib")
 # Rows of masks given as a mask_mod (run_masks): what the mask is, and the making of it.
-MASK_COLUMNS = ("mask",) + COLUMNS[1:-1] + ("make_ms", "make_vs_flex", "mask_mib", "peak_mib")
+MASK_COLUMNS = ("mask",) + COLUMNS[1:-1] + ("make_ms", "make_vs_flex", "mask_mib", "partial_tiles", "peak_mib")
 
 
 def table(result: Result) -> str:
@@ -495,13 +554,19 @@ def table(result: Result) -> str:
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]
     if not result.rows:
         lines.append("(no measurements)")
+    for c in result.tile_costs:
+        lines.append(f"tile cost, {c['mask']} D={c['D']} S={c['S']} B={c['B']} ({c['visited_tiles']} visited "
+                     f"{c['tile']} tiles, {c['partial_tiles']} of them partial): every visited tile partial / every "
+                     f"one full = {c['partial_over_full_fwd']} forward, {c['partial_over_full_fwd_bwd']} "
+                     "forward+backward")
     for s in result.skipped:
         lines.append(f"skipped {s['impl']} at D={s['D']} S={s['S']} B={s['B']}: {s['reason']}")
     lines.append("effective TFLOP/s count allowed pairs only (causal peers: the causal mask's pairs); "
                  "fwd+bwd = 3.5x forward FLOPs; x_vs_flex > 1: faster than FlexAttention")
     if columns is MASK_COLUMNS:
         lines.append("make_ms: making the mask from the mask_mod (omnigen.mask_from_mod / create_block_mask), "
-                     "median wall clock; mask_mib: the tensors the mask holds")
+                     "median wall clock; mask_mib: the tensors the mask holds; partial_tiles: omnigen's, over its "
+                     "tile shapes (each holds bits, 1 bit a pair, in both schedules)")
     return "\n".join(lines)
 
 
@@ -575,8 +640,9 @@ def tile_cost(dim: int, S: int, tokens: int, heads: int, seed: int = 0) -> dict:
 
 
 __all__ = ["COLUMNS", "MASK_COLUMNS", "MASK_PEERS", "MaskWorkload", "NoGPU", "PEERS", "Result", "Workload",
-           "check_mask_specs", "count_mask_steps", "count_steps", "mask_workloads", "measure", "measure_mask", "peers",
-           "plot", "random_inputs", "rules_mask_mod", "run", "run_masks", "table", "tile_cost", "workloads"]
+           "check_mask_specs", "count_mask_steps", "count_steps", "mask_tile_cost", "mask_workloads", "measure",
+           "measure_mask", "peers", "plot", "random_inputs", "rules_mask_mod", "run", "run_masks", "table", "tile_cost",
+           "workloads"]
 
 
 def smoothed_gap(curve: list[float], ref: list[float], window: int = 20) -> dict:

@@ -5,14 +5,17 @@ catalogue's mask_mods are FlexAttention mask_mods too (create_block_mask accepts
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
 
+import omnigen
 from omnigen import bench
 from omnigen.cli import cli
 from omnigen.mask_catalogue import NAMES, catalogue_mask
-from omnigen.plan.ruleless import dense_from_bits
+from omnigen.plan.ruleless import dense_from_bits, every_tile_as
 from omnigen.semantics import CAUSAL, EMPTY, FULL, PARTIAL
 
 MODS = '''
@@ -142,6 +145,58 @@ def test_bench_mask_workloads_and_table():
     lines = bench.table(result).splitlines()
     assert lines[1].split()[0] == "mask" and "make_ms" in lines[1] and "mask_mib" in lines[1]
     assert lines[2].split()[0] == "medusa_tree" and "3.1" in lines[2]
+
+
+def test_bench_tile_cost_option_reaches_the_library_and_the_table(monkeypatch):
+    """--tile-cost: refused without masks (it times masks from data), passed to run_masks with the progress bar's
+    extra step counted, and each mask's figure printed and written to the JSON."""
+    assert "--tile-cost times masks no rule says" in _run("bench", "--rules", "x.yaml", "--tile-cost", code=2)
+    assert bench.count_mask_steps(["medusa_tree"], (128,), (8192,), tile_cost=True) == 5
+    assert bench.count_mask_steps(["medusa_tree"], (128,), (8192,)) == 4
+    calls = []
+    cost = {"mask": "random_eviction", "D": 128, "S": 8192, "B": 4, "H": 16, "tile": "128x128",
+            "visited_tiles": 4160, "partial_tiles": 4100, "partial_over_full_fwd": 1.15,
+            "partial_over_full_fwd_bwd": 1.07}
+
+    def fake_run_masks(specs, **kwargs):
+        calls.append((specs, kwargs))
+        result = bench.Result(info={"gpu": "Test GPU", "torch": "2.x", "heads": 16, "tokens": 32768})
+        if kwargs.get("tile_cost"):
+            result.tile_costs.append(cost)
+        return result
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run_masks", fake_run_masks)
+    out = _run("bench", "--mask", "random_eviction", "--dims", "128", "--sizes", "8192", "--tile-cost",
+               "--json", "-")
+    assert calls[-1][0] == ("random_eviction",) and calls[-1][1]["tile_cost"] is True
+    assert json.loads(out[out.index("{"):])["tile_costs"] == [cost]  # the progress bar's label comes first (stderr)
+    out = _run("bench", "--mask", "random_eviction", "--dims", "128", "--sizes", "8192", "--tile-cost")
+    assert ("tile cost, random_eviction D=128 S=8192 B=4 (4160 visited 128x128 tiles, 4100 of them partial): every "
+            "visited tile partial / every one full = 1.15 forward, 1.07 forward+backward") in out
+    out = _run("bench", "--mask", "random_eviction", "--dims", "128", "--sizes", "8192", "--json", "-")
+    assert calls[-1][1]["tile_cost"] is False and "tile_costs" not in json.loads(out[out.index("{"):])
+
+
+@pytest.mark.parametrize("name", ["qk_sparse", "medusa_tree"])
+def test_every_tile_as_keeps_the_visited_tiles_and_the_pairs(name):
+    """The tile cost's two masks: the mask's visited tiles, all partial (bits saying the mask's own pairs: the same
+    output) or all full; empty tiles stay empty."""
+    made = catalogue_mask(name, 2, 200, seed=1)
+    mask = made.mask("mod", tiles=[(32, 48), (64, 32)])
+    partial, full = every_tile_as(mask, PARTIAL), every_tile_as(mask, FULL)
+    for tile in mask.tiles:
+        counts = mask.plan(*tile).counts()
+        visited = counts["full"] + counts["causal"] + counts["partial"]
+        assert partial.plan(*tile).counts() == {"empty": counts["empty"], "full": 0, "causal": 0, "partial": visited}
+        assert full.plan(*tile).counts() == {"empty": counts["empty"], "full": visited, "causal": 0, "partial": 0}
+        for element in range(2):
+            assert torch.equal(dense_from_bits(partial, *tile, element), made.dense()[element])
+    q = torch.randn(2, 2, 200, 16, dtype=torch.float64)
+    torch.testing.assert_close(omnigen.attention(q, q, q, partial),
+                               omnigen.attention(q, q, q, mask), atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="FULL .* or PARTIAL"):
+        every_tile_as(mask, CAUSAL)
 
 
 def _flex_kinds(block_mask, B: int, n: int) -> torch.Tensor:

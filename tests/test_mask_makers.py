@@ -4,6 +4,8 @@ Tile kinds exact against the dense definition (hypothesis, random block structur
 schedules and bits of both passes equal to the input, the three inputs giving identical schedules and bits for the
 same mask, the bits equal to what the rules-based maker computes for masks rules can say, capacities, errors."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -419,7 +421,7 @@ def test_a_mask_from_data_of_another_size_names_its_maker_and_the_fix(source, fi
             omnigen.attention(q, q, q, mask)
         message = str(info.value)
         assert f"made by omnigen.mask_from_{source} for B=1, S=64" in message and f"have B={B}, S={S}" in message
-        assert __import__("re").search(fix.format(B=B, S=S), message), message
+        assert re.search(fix.format(B=B, S=S), message), message
         assert "layout has" not in message and "omnigen.mask(" not in message
     q = torch.randn(1, 2, 64, 16)
     assert omnigen.attention(q, q, q, mask).shape == q.shape  # the size it was made for passes

@@ -53,14 +53,17 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--settle-ms", default=tune_timing.BENCH_SETTLE_MS, show_default=True, type=click.FloatRange(min=0),
               help="Untimed running of each peer before its timed runs in every round, so it is timed at the clocks "
                    "its own load settles to under the GPU's power limit (0: time it right after the previous peer).")
+@click.option("--tile-cost", is_flag=True,
+              help="With --mask / --mask-mod: also time each mask with every visited tile partial (read from bits) "
+                   "against every visited tile full, same tiles and order: what a partial tile costs over a full one.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", metavar="FILE", help="Also write the rows and skips as JSON to FILE ('-': stdout).")
 @click.option("--png", "png_path", metavar="FILE", help="Also plot effective TFLOP/s against S to FILE. Needs matplotlib.")
 @user_errors
 def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tuple[str, ...],
                   layouts_path: str | None, dims: str, sizes: str | None, tokens: int, heads: int,
-                  peer_list: str | None, rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
-                  png_path: str | None) -> None:
+                  peer_list: str | None, rounds: int, reps: int, settle_ms: float, tile_cost: bool, seed: int,
+                  json_path: str | None, png_path: str | None) -> None:
     """Time omnigen against FlexAttention, SDPA with the dense mask and the causal kernels on this GPU.
 
     \b
@@ -68,11 +71,13 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
       omnigen bench --rules examples/rules/transfusion.yaml --dims 128 --sizes 8192,16384 --png bench.png
       omnigen bench --mask all --dims 64,128 --sizes 8192,32768 --json masks.json
       omnigen bench --mask medusa_tree,longformer --dims 128 --sizes 8192
+      omnigen bench --mask random_eviction --dims 128 --sizes 8192 --tile-cost
       omnigen bench --mask-mod my_masks.py:make_mod --sizes 8192
 
     With --rules: the rules' layouts through every peer. With --mask / --mask-mod (masks no rule says,
     issue 29): the same mask_mod through omnigen (mask_from_mod) and FlexAttention (create_block_mask),
-    forward and forward+backward, plus the time to make each mask (make_ms) and its memory (mask_mib).
+    forward and forward+backward, plus the time to make each mask (make_ms), its memory (mask_mib) and
+    omnigen's partial tiles; --tile-cost adds each mask's partial-over-full tile cost.
     B = --tokens // S sequences per shape.
 
     Every peer runs in this process on the same inputs; times are medians of CUDA-event timings after
@@ -93,6 +98,9 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
     unknown = sorted(set(peers) - set(choices))
     if unknown or not peers:
         raise UserError(f"--peers: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(choices)}")
+    if tile_cost and not masks:
+        raise UserError("--tile-cost times masks no rule says (--mask / --mask-mod); the rules kernels' tile cost is "
+                        "benchmarks/bench_attention.py --tile-cost")
     if masks:
         if layouts_path:
             raise UserError("--layouts is for --rules; a mask_mod says its own mask")
@@ -100,7 +108,7 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
         size_list = _ints(sizes, "--sizes") if sizes else library.DEFAULT_MASK_SIZES
         specs = library.check_mask_specs(masks)
         _bench_masks(specs, dim_list, size_list, tokens, heads, peers, rounds, reps, settle_ms, seed, json_path,
-                     png_path)
+                     png_path, tile_cost)
         return
     rules = Rules.load(rules_path)
     sizes = sizes or ",".join(map(str, library.DEFAULT_SIZES))
@@ -127,16 +135,16 @@ def _names(text: str | None) -> list[str]:
 
 def _bench_masks(specs: tuple[str, ...], dims: tuple[int, ...], sizes: tuple[int, ...], tokens: int, heads: int,
                  peers: tuple[str, ...], rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
-                 png_path: str | None) -> None:
+                 png_path: str | None, tile_cost: bool = False) -> None:
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("omnigen bench needs a CUDA GPU to time on, and none is visible here")
-    steps = library.count_mask_steps(specs, dims, sizes)
+    steps = library.count_mask_steps(specs, dims, sizes, tile_cost)
     with click.progressbar(length=steps, label="benchmarking masks", file=sys.stderr, show_pos=True) as bar:
         result = library.run_masks(specs, dims=dims, sizes=sizes, tokens=tokens, heads=heads, seed=seed,
                                    rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
-                                   on_step=lambda _label: bar.update(1))
+                                   on_step=lambda _label: bar.update(1), tile_cost=tile_cost)
     _report(result, json_path, png_path)
 
 

@@ -331,3 +331,72 @@ def dense_from_bits(mask: Mask, block_m: int, block_n: int, element: int = 0) ->
         count = int(partial.sum())
         tiles[partial] = unpack(slots[first * words : (first + count) * words], block_m, block_n)
     return tiles.permute(0, 2, 1, 3).reshape(nq * block_m, nk * block_n)[:S, :S]
+
+
+# Tiles whose blocks `every_tile_as` makes at once (bool block_m x block_n each: 64 MiB of 128 x 128 tiles).
+RETILE_CHUNK = 4096
+
+
+def every_tile_as(mask: Mask, kind: int) -> Mask:
+    """A timing counterpart of a mask made from data: the same visited tiles, in the same schedules' order, every one
+    taken as `kind` -- what "a partial tile costs <= 1.2x a full one" (issue 29) compares on a real mask's grid, its
+    tail tiles, its load balance and its number of tiles held fixed.
+
+    PARTIAL: every visited tile is read from bits (full tiles' bits all set, causal tiles' k <= q, partial tiles their
+    own), so the mask says the same pairs as `mask` and a call gives the same output, all of it through the partial
+    path. FULL: every visited tile unmasked -- no mask work at all, but attention to pairs `mask` hides (for timing
+    only). Empty tiles stay empty. Not exact in the sense of the plans' contract (a partial tile here may be full):
+    never hand it to anything but a timer or a test."""
+    if not mask.ruleless:
+        raise ValueError("every_tile_as takes a mask made from data (mask_from_dense / mask_from_mod / "
+                         "mask_from_intervals)")
+    if kind not in (FULL, PARTIAL):
+        raise ValueError(f"kind must be FULL ({FULL}) or PARTIAL ({PARTIAL}), not {kind!r}")
+    B, S, device = mask.batch_size, mask.seq_len, mask.device
+    shapes = []
+    for index, (block_m, block_n) in enumerate(mask.tiles):
+        plan = mask.plan(block_m, block_n)
+        kinds = plan.kinds.to(device)
+        kinds = kinds if kinds.dim() == 3 else kinds[None].expand(B, -1, -1)
+        visited = kinds != EMPTY
+        new = torch.where(visited, torch.tensor(kind, dtype=torch.int8, device=device),
+                          torch.tensor(EMPTY, dtype=torch.int8, device=device))
+        if kind == FULL:
+            area = tile_area(S, block_m, block_n, device)
+            shapes.append(ShapePlan(block_m, block_n, new, int((area * visited).sum()), []))
+        else:
+            words = mask.schedules[PER_SHAPE * index + SCHEDULE_TENSORS.index("partial_bits")]
+            shapes.append(ShapePlan(block_m, block_n, new, plan.allowed_pairs,
+                                    _blocks_of_every_tile(kinds, words, S, block_m, block_n)))
+    made = ruleless_mask(shapes, B, S, mask.batched, device)
+    made.made_by = mask.made_by
+    return made
+
+
+def _blocks_of_every_tile(kinds: torch.Tensor, words: torch.Tensor, S: int, block_m: int,
+                          block_n: int) -> Callable[[], Iterator[tuple[torch.Tensor, ...]]]:
+    """ShapePlan.partials for `every_tile_as(..., PARTIAL)`: chunks of (b, i, j, blocks) of every visited tile of
+    `kinds` [B, nq, nk], a partial tile's block unpacked from its forward slot (slots hold the partial tiles in
+    row-major order of (b, i, j): `_slots`), a full or causal tile's made from its kind; past S, False."""
+    device = kinds.device
+    per_slot = bits.slot_words(block_m, block_n)
+    rows = torch.arange(block_m, device=device)[:, None]
+    cols = torch.arange(block_n, device=device)[None, :]
+
+    def chunks() -> Iterator[tuple[torch.Tensor, ...]]:
+        where = (kinds != EMPTY).nonzero()
+        slot = (kinds == PARTIAL).reshape(-1).long().cumsum(0) - 1  # a partial tile's slot, by row-major rank
+        for first in range(0, where.shape[0], RETILE_CHUNK):
+            b, i, j = where[first : first + RETILE_CHUNK].unbind(1)
+            k = kinds[b, i, j]
+            q_pos = i[:, None, None] * block_m + rows
+            k_pos = j[:, None, None] * block_n + cols
+            blocks = (k == FULL)[:, None, None] | ((k == CAUSAL)[:, None, None] & (k_pos <= q_pos))
+            partial = (k == PARTIAL).nonzero().squeeze(1)
+            if partial.numel():
+                slots = slot[((b * kinds.shape[1] + i) * kinds.shape[2] + j)[partial]]
+                picked = words.view(-1, per_slot)[slots]
+                blocks[partial] = unpack(picked, block_m, block_n)
+            yield b, i, j, blocks & (q_pos < S) & (k_pos < S)
+
+    return chunks
