@@ -108,8 +108,15 @@ def test_the_shim_uses_the_processs_libstdcxx_even_under_a_static_wrapper(tmp_pa
     import subprocess
 
     real = shutil.which("c++") or shutil.which("g++")
+    archive = Path(subprocess.run([real, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip())
+    if not archive.is_absolute() or not archive.is_file():
+        pytest.skip("this compiler has no libstdc++.a")
+    # As on the GPU machine: the compiler's own library directory, searched first, holds only the archive.
+    only_static = tmp_path / "lib"
+    only_static.mkdir()
+    (only_static / "libstdc++.a").symlink_to(archive)
     wrapper = tmp_path / "static-cxx"
-    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@" -static-libstdc++\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {real} -L{only_static} "$@" -static-libstdc++\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
     monkeypatch.setenv("OMNIGEN_CACHE_DIR", str(tmp_path / "cache"))
@@ -120,3 +127,14 @@ def test_the_shim_uses_the_processs_libstdcxx_even_under_a_static_wrapper(tmp_pa
                              check=True).stdout
     own = [line for line in symbols.splitlines() if "_ZNSo9_M_insertIlEERSoT_" in line and " UND " not in line]
     assert not own, own  # std::ostream's number insertion comes from the shared libstdc++, not from the shim
+
+
+def test_the_loaded_libstdcxx_is_read_from_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
+                    "7f02-7f03 r-xp 00000000 08:01 13 /opt/lib/libstdc++.so.6.0.33\n"
+                    "7f04-7f05 rw-p 00000000 00:00 0 \n")
+    assert toolchain.loaded_libstdcxx(maps) == "/opt/lib/libstdc++.so.6.0.33"
+    assert toolchain.loaded_libstdcxx(tmp_path / "absent") == ""
+    build = toolchain.TorchBuild("2.x", ("/inc",), "/lib", cxx11_abi=True, libstdcxx="/opt/lib/libstdc++.so.6.0.33")
+    assert toolchain.host_library_link_flags(build)[-1] == "/opt/lib/libstdc++.so.6.0.33"

@@ -335,9 +335,25 @@ class TorchBuild:
     include_dirs: tuple[str, ...]
     library_dir: str
     cxx11_abi: bool
+    libstdcxx: str = ""  # the libstdc++ this process has loaded (a path), "" when none is found
 
     def fingerprint(self) -> dict[str, str]:
-        return {"torch": self.version, "cxx11_abi": str(self.cxx11_abi), "torch_lib": self.library_dir}
+        return {"torch": self.version, "cxx11_abi": str(self.cxx11_abi), "torch_lib": self.library_dir,
+                "libstdcxx": self.libstdcxx}
+
+
+def loaded_libstdcxx(maps: Path = Path("/proc/self/maps")) -> str:
+    """The path of the libstdc++ shared library mapped into this process (torch loads it), or "" where the process
+    has none or the system has no /proc."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if "/libstdc++.so" in path:
+            return path.strip()
+    return ""
 
 
 def find_torch_build() -> TorchBuild:
@@ -351,7 +367,8 @@ def find_torch_build() -> TorchBuild:
                              "install a regular PyTorch wheel to use the native call path")
     return TorchBuild(version=torch.__version__,
                       include_dirs=(str(include), str(include / "torch" / "csrc" / "api" / "include")),
-                      library_dir=str(root / "lib"), cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+                      library_dir=str(root / "lib"), cxx11_abi=bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+                      libstdcxx=loaded_libstdcxx())
 
 
 # torch's headers need C++20 from 2.10 on; the shim's own code is C++17.
@@ -363,12 +380,15 @@ def host_library_flags(torch_build: TorchBuild) -> list[str]:
 
 
 def host_library_link_flags(torch_build: TorchBuild) -> list[str]:
-    """What a host library links against. libstdc++ is named here, shared: the shim hands strings, streams and
-    exceptions to and from libtorch, so both must use the process's one libstdc++. A compiler wrapper that adds
-    -static-libstdc++ (the GPU machine's $CXX does) would otherwise give the shim a private copy whose streams were
-    never set up: the first error message that formatted a number crashed the process (RESULTS.md, twelfth session)."""
+    """What a host library links against. libstdc++ is named here, as the very shared library this process has
+    loaded: the shim hands strings, streams and exceptions to and from libtorch, so both must use one libstdc++.
+    The GPU machine's $CXX (/opt/gcc/bin/g++) links a private static copy otherwise -- its own directory holds only
+    libstdc++.a, which `-lstdc++` finds first -- and that copy's streams, never set up, crashed the first error
+    message that formatted a number (RESULTS.md, twelfth session). Named by path, the shared one resolves every
+    reference before any archive is searched."""
+    libstdcxx = [torch_build.libstdcxx] if torch_build.libstdcxx else ["-Wl,-Bdynamic", "-lstdc++"]
     return ["-L" + torch_build.library_dir, "-Wl,-rpath," + torch_build.library_dir, "-lc10", "-ltorch_cpu", "-ltorch",
-            "-Wl,-Bdynamic", "-lstdc++"]
+            *libstdcxx]
 
 
 def host_library_ninja(build_dir: Path, sources: list[Path], library: Path, include_dirs: Iterable[Path],
