@@ -37,9 +37,12 @@ from omnigen.plan.reorder import ReorderCosts  # noqa: E402
 DEPTH = 4  # MEDUSA heads: tree levels below the root
 
 
-def medusa_mod(S: int, device: torch.device, seed: int = 0):
-    """A causal prefix of S/8 tokens, then trees of DEPTH levels (widths x4 per level) laid out level by level over
-    the rest; each tree token sees the prefix and its ancestors (an ancestor table [S, DEPTH + 1], no S x S tensor)."""
+def medusa_mod(S: int, device: torch.device, seed: int = 0, interleaved: bool = False):
+    """A causal prefix of S/8 tokens, then trees of DEPTH levels (widths x4 per level, random parents) laid out level
+    by level over the rest; each tree token sees the prefix and its ancestors (an ancestor table [S, DEPTH + 1], no
+    S x S tensor). Within a level the trees' nodes are one run per tree (`interleaved=False`: tree t's level-L nodes,
+    then tree t+1's), or interleaved (`interleaved=True`: the i-th node of every tree, then the (i+1)-th), so that a
+    tile of nodes has its ancestors spread over every tile of the levels above."""
     gen = torch.Generator().manual_seed(seed)
     prefix = S // 8
     ancestors = torch.full((S, DEPTH + 1), -1, dtype=torch.int64)
@@ -51,14 +54,18 @@ def medusa_mod(S: int, device: torch.device, seed: int = 0):
     for level, width in enumerate(widths):  # level by level, every tree's nodes of that level together
         level_start.append(position)
         position += width * trees
+
+    def at(level: int, tree: int, index: int) -> int:
+        offset = index * trees + tree if interleaved else tree * widths[level] + index
+        return level_start[level] + offset
+
     for level, width in enumerate(widths):
         for t in range(trees):
             for i in range(width):
-                node = level_start[level] + t * width + i
+                node = at(level, t, i)
                 ancestors[node, 0] = node
                 if level:
-                    parent_index = int(torch.randint(0, widths[level - 1], (1,), generator=gen))
-                    parent = level_start[level - 1] + t * widths[level - 1] + parent_index
+                    parent = at(level - 1, t, int(torch.randint(0, widths[level - 1], (1,), generator=gen)))
                     ancestors[node, 1:] = ancestors[parent, :-1]
     last = position  # tokens past the trees: causal text after them (they see everything before)
     table = ancestors.to(device)
@@ -70,6 +77,11 @@ def medusa_mod(S: int, device: torch.device, seed: int = 0):
         return torch.where(in_tree, tree_rule, k <= q)
 
     return mod
+
+
+def medusa_interleaved_mod(S: int, device: torch.device, seed: int = 0):
+    """`medusa_mod` with the trees interleaved inside each level."""
+    return medusa_mod(S, device, seed, interleaved=True)
 
 
 def frames_mod(S: int, device: torch.device, audio: int = 80, video: int = 176, window: int = 4096):
@@ -87,7 +99,7 @@ def frames_mod(S: int, device: torch.device, audio: int = 80, video: int = 176, 
     return mod
 
 
-MASKS = {"medusa": medusa_mod, "frames": frames_mod}
+MASKS = {"medusa": medusa_mod, "medusa_interleaved": medusa_interleaved_mod, "frames": frames_mod}
 
 
 def median_ms(fns: dict, rounds: int, reps: int) -> dict[str, float]:

@@ -14,9 +14,11 @@ What this module does (pure planning: tensors in, a permutation and a Mask out; 
    (O((S / g)^2) booleans; the mask is evaluated in bounded slabs, never S x S at once).
 2. Proposes permutations of atoms: connected components of the atom graph (symmetrised), each kept in token
    order; Reverse Cuthill-McKee (our own, below) over the graph; both again after putting the "hub" atoms (those
-   that touch most others, e.g. a MEDUSA prefix or global tokens) first. For a mask made from rules it also
-   proposes moving whole segments next to others of their modality where the rules make that exact (see
-   `segment_order`); that candidate stays a rules mask, which every kernel family and the CPU path run.
+   that touch most others, e.g. a MEDUSA prefix or global tokens) first; and atoms sorted by the keys they see
+   (`keyset_order`: a depth-first order of a tree mask, which the symmetric graph of RCM cannot see). For a mask
+   made from rules it also proposes moving whole segments next to others of their modality where the rules make
+   that exact (see `segment_order`); that candidate stays a rules mask, which every kernel family and the CPU path
+   runs.
 3. Scores each by the tiles it visits, weighted by kind (`ReorderCosts`: full, causal, partial), per tile shape
    the mask holds, plus the gathers' memory traffic in the same unit; the original is scored from its exact plan.
 4. Builds the winner exactly (its plan, its partial tiles' bits), scores it again exactly, and returns it only
@@ -42,14 +44,15 @@ from .bits import slot_words
 from .tile_bits import unpack
 
 # The atom graph is kept as a dense boolean matrix per batch element: at most this many atoms unless the caller
-# picks a finer granularity (4096^2 booleans = 16 MiB).
-MAX_ATOMS = 4096
+# picks a finer granularity (8192^2 booleans = 64 MiB). Atoms of single tokens matter for trees: an atom of two
+# nodes sees both their ancestor paths, and a depth-first order of such pairs is no longer one of the tree.
+MAX_ATOMS = 8192
 GRANULARITIES = (1, 2, 4, 8, 16)
 # Mask elements evaluated at once while reading the mask (bounded temporaries).
 SLAB_ELEMENTS = 1 << 24
 # An atom that touches at least this fraction of the others is a hub (placed first in the "hubs" candidates).
 HUB_FRACTION = 0.9
-METHODS = ("auto", "rcm", "components", "segments")
+METHODS = ("auto", "rcm", "components", "keysets", "segments")
 # Gathers and scatters a forward + backward with a reordered mask runs: q, k, v, out; dOut, dQ, dK, dV.
 GATHERS_PER_STEP = 8
 
@@ -300,6 +303,25 @@ def _hubs(graph: np.ndarray) -> np.ndarray:
     return hubs
 
 
+def keyset_order(allowed: np.ndarray) -> np.ndarray:
+    """Rows sorted by their allowed-key sets, read as binary numbers whose most significant digits are the keys
+    most rows see (ties by position, so a mask whose rows are already in this order keeps it).
+
+    Why: rows with the same keys become neighbours, so a tile of them shares its kv-tiles; and when the key sets are
+    nested, as in a tree mask (each node sees its parent's keys and itself), popular keys first is a depth-first
+    (pre-order) walk: a node's key set is a prefix of its descendants', so every subtree is one contiguous run, a
+    node directly before its subtree, and all of a tree's nodes together (a shared context seen by every row is the
+    most significant digit and changes nothing). Neither Reverse Cuthill-McKee nor components finds that order on a
+    tree that shares a prompt: the prompt connects everything, and RCM's symmetric graph forgets which way each edge
+    points. O(n^2 / 8) bytes for n atoms."""
+    if allowed.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    popular_first = np.argsort(-allowed.sum(0), kind="stable")
+    digits = np.packbits(allowed[:, popular_first], axis=1)  # first column = most significant bit
+    keys = np.ascontiguousarray(digits).view(np.dtype((np.void, digits.shape[1]))).ravel()
+    return np.argsort(keys, kind="stable").astype(np.int64)  # void values compare as bytes: lexicographic
+
+
 def _atom_candidates(any_b: np.ndarray, movable: int) -> dict[str, np.ndarray]:
     """Permutations of the first `movable` atoms of one batch element (the rest stay last, in order)."""
     n = any_b.shape[0]
@@ -307,7 +329,8 @@ def _atom_candidates(any_b: np.ndarray, movable: int) -> dict[str, np.ndarray]:
     np.fill_diagonal(graph, False)
     everything = np.ones(movable, dtype=bool)
     out = {"components": np.concatenate(components(graph, everything)) if movable else np.zeros(0, np.int64),
-           "rcm": reverse_cuthill_mckee(graph, everything)}
+           "rcm": reverse_cuthill_mckee(graph, everything),
+           "keysets": keyset_order(any_b[:movable, :movable])}
     hubs = _hubs(graph)
     if hubs.any() and not hubs.all():
         first = np.flatnonzero(hubs)
@@ -532,14 +555,15 @@ def reorder(
     `mask_or_mod`: an omnigen Mask (from rules or from data), a dense bool [B, S, S] / [S, S] tensor, or a
     FlexAttention-style mask_mod with `B` and `S` (then `device`, `tiles`, `head_dim`, `dtype` as for
     `omnigen.mask_from_mod`). `method`: "auto" (every proposal, the best wins), "rcm" (Reverse Cuthill-McKee),
-    "components" (connected components, each in token order), "segments" (rules masks: whole segments grouped by
-    modality where the rules make that exact; the result stays a rules mask). `granularity`: tokens per atom of the
-    graph (a power of two <= 16; default the finest with at most MAX_ATOMS atoms). `heads`, `kv_heads`, `head_dim`,
-    `dtype`: the calls' shapes, for the gathers' cost. `costs`: the cost model (`ReorderCosts`). `partial_bits`: the
-    reordered mask's bit slots (as for `omnigen.mask_from_dense`). `rules_only`: for a rules mask, propose only
-    regrouped segments (a rules mask, which every kernel family runs), not permutations of tokens (a mask made from
-    data, which only kernels that read partial tiles' bits run: Hopper's and the CPU path); default True on a CUDA
-    device whose kernels do not read bits, else False."""
+    "components" (connected components, each in token order), "keysets" (rows sorted by their allowed-key sets,
+    most-seen keys most significant: a depth-first order of a tree mask), "segments" (rules masks: whole segments
+    grouped by modality where the rules make that exact; the result stays a rules mask). `granularity`: tokens per
+    atom of the graph (a power of two <= 16; default the finest with at most MAX_ATOMS atoms). `heads`, `kv_heads`,
+    `head_dim`, `dtype`: the calls' shapes, for the gathers' cost. `costs`: the cost model (`ReorderCosts`).
+    `partial_bits`: the reordered mask's bit slots (as for `omnigen.mask_from_dense`). `rules_only`: for a rules
+    mask, propose only regrouped segments (a rules mask, which every kernel family runs), not permutations of tokens
+    (a mask made from data, which only kernels that read partial tiles' bits run: Hopper's and the CPU path); default
+    True on a CUDA device whose kernels do not read bits, else False."""
     problems = []
     if method not in METHODS:
         problems.append(f"method must be one of {', '.join(repr(m) for m in METHODS)}, not {method!r}")
@@ -576,7 +600,7 @@ def reorder(
             perm, regrouped = found
             exact = _exact_costs(regrouped, costs)
             proposals["segments"], estimates["segments"] = (perm, regrouped, exact), exact[first]
-    if method in ("auto", "rcm", "components") and not (rules_only and not mask.ruleless):
+    if method in ("auto", "rcm", "components", "keysets") and not (rules_only and not mask.ruleless):
         g = _granularity(granularity, S, shapes)
         any_, all_ = _atoms(source, g)
         n = any_.shape[1]
@@ -630,4 +654,5 @@ def reorder(
     return result
 
 
-__all__ = ["Reordering", "ReorderCosts", "components", "reorder", "reverse_cuthill_mckee", "segment_order"]
+__all__ = ["Reordering", "ReorderCosts", "components", "keyset_order", "reorder", "reverse_cuthill_mckee",
+           "segment_order"]
