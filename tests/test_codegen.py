@@ -132,10 +132,11 @@ def test_emitted_code_reads_like_the_rules():
         assert word in mask, word
     assert "/* image       -> */ { See::kNone" in mask
     kernel = files["demo_bf16_d128_m128n64w4s2_sm_80.cu"]
-    # the code paths named at the top (their walk: omnigen/tile_kinds.cuh's for_each_tile), tensor-core products as
-    # named tile steps
+    # the code paths named at the top (their walk: omnigen/sm80/partial_bits.cuh's for_each_path, the partial tiles
+    # from bits where the variant reads them, else the rules' predicate), tensor-core products as named tile steps
     for comment in ("//   full    -- every pair allowed: no mask work", "//   causal  -- the tile's mask is k <= q",
-                    "//   partial -- anything else: the rules' predicate", "for_each_tile(", "omnigen::mma_abt"):
+                    "//   partial -- anything else: the tile's mask as bits", "else the rules'\n//              predicate",
+                    "for_each_path<kPartialBits>(", "omnigen::mma_abt"):
         assert comment in kernel, comment
     assert "#define" not in kernel and "#define" not in mask  # no macro soup
     no_window = codegen.render(omnigen.Rules(name="plain", modalities={"text": "causal"}, documents="shared"), CONFIG)

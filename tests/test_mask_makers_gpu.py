@@ -2,13 +2,16 @@
 issue 29's catalogue (omnigen.mask_catalogue, the nine masks its acceptance names), each made from its mask_mod, its
 dense mask and (where FlashMask can say it) its column intervals, forward and backward in bf16 against a float64
 reference on the dense mask; the inputs give identical plans and identical forward outputs. Partial tiles come from
-the mask's bits only (plan/ruleless.py); where a kernel cannot read them (off Hopper) the op must refuse.
+the mask's bits only (plan/ruleless.py). Both kernel families read them: through omnigen.attention on the GPU's own
+family (sm90 on Hopper, sm80 elsewhere), and the sm80 family's kernels explicitly on any GPU (an sm_80 module runs on
+Hopper too), forward, atomic and deterministic backward, through kernels.launch as the op calls them.
 
 Cost: two kernel modules per head dim at most (the untuned forward and backward configs; one module serves every
 mask made from data, whatever its length), so the whole file builds a handful of modules and runs a few seconds of
 kernels; the float64 references dominate the rest.
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_mask_makers_gpu.py
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_mask_makers_gpu.py -k sm80
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ import pytest
 import torch
 
 import omnigen
+from omnigen.jit import cache
+from omnigen.kernels import launch
+from omnigen.kernels.sm80.resources import default_tile
 from omnigen.mask_catalogue import NAMES, catalogue_mask
+from omnigen.plan.masks import PER_SHAPE, SCHEDULE_TENSORS
+from omnigen.plan.ruleless import RULELESS_RULES
+from omnigen.targets import KernelConfig
 from omnigen.reference import attention_reference, attention_reference_grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,10 +36,6 @@ B = 2
 # (1000 = 7 * 128 + 104), so each head dim runs both and the tail rows and columns of partial tiles are exercised.
 SHAPES = {"mha_s2048": (4, 4, 2048), "gqa8x2_s1000": (8, 2, 1000)}
 DIMS = (64, 128)
-
-
-def _hopper() -> bool:
-    return torch.cuda.get_device_capability()[0] == 9
 
 
 def _sources(made) -> tuple[str, ...]:
@@ -64,8 +69,6 @@ def _assert_grad_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: fl
 @pytest.mark.parametrize("D", DIMS)
 @pytest.mark.parametrize("name", NAMES)
 def test_catalogue_masks_match_the_dense_reference_from_every_input(name, D, shape):
-    if not _hopper():
-        pytest.skip("masks made from data run on the sm90 family (Hopper)")
     Hq, Hkv, S = SHAPES[shape]
     made = catalogue_mask(name, B, S, device="cuda", seed=D)
     dense = made.dense()
@@ -100,13 +103,58 @@ def test_catalogue_masks_match_the_dense_reference_from_every_input(name, D, sha
             _assert_grad_close(got, expected, f"{source} d{label}", 2.0**-7)
 
 
-def test_masks_from_data_are_refused_off_hopper():
-    """A kernel that cannot read partial tiles' bits (the sm80 family) must refuse a mask made from data, saying
-    so, never run it with the all-pad stand-in rules (rows of zeros on its partial tiles)."""
-    if _hopper():
-        pytest.skip("Hopper runs masks made from data (the test above)")
+class _MaskPlan:
+    """What kernels.launch reads of a plan, from a Mask's tensors for one tile shape: the plan's schedules and tables
+    and the mask's partial tiles' bits for both schedules (as the op hands them to the launchers)."""
+
+    def __init__(self, mask, block_m: int, block_n: int) -> None:
+        self._plan = mask.plan(block_m, block_n)
+        first = PER_SHAPE * mask.tiles.index((block_m, block_n))
+        for offset, field in enumerate(SCHEDULE_TENSORS):
+            if field.startswith("partial_"):
+                setattr(self, field, mask.schedules[first + offset])
+
+    def __getattr__(self, name: str):
+        return getattr(self._plan, name)
+
+
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("name", NAMES)
+def test_catalogue_masks_on_the_sm80_kernels(name, D):
+    """The sm80 family's forward, dK/dV (atomic dQ) and deterministic dQ kernels read a mask made from data's bits
+    (include/omnigen/sm80/partial_bits.cuh), on any GPU: an sm_80 module built explicitly, launched as the op does,
+    against the float64 reference, from every input; GQA 8/2 at S = 1000 (tail tiles in both directions)."""
+    Hq, Hkv, S = SHAPES["gqa8x2_s1000"]
+    config = KernelConfig(D, "bf16", "sm_80", default_tile(D))
+    module = cache.get_module(RULELESS_RULES, config)
+    assert launch.capabilities(module).partial_bits
+    tile = (config.tile.block_m, config.tile.block_n)
+    made = catalogue_mask(name, B, S, device="cuda", seed=D)
+    dense = made.dense()
+    q, k, v, d_out = _inputs(Hq, Hkv, S, D, seed=len(name) + 1)
+    want, want_lse = attention_reference(q, k, v, dense)
+    want_grads = attention_reference_grads(q, k, v, dense, d_out)
+    scale = D ** -0.5
+    empty = (~dense.any(-1))[:, None].expand(B, Hq, S)
+    for source in _sources(made):
+        plan = _MaskPlan(made.mask(source, tiles=[tile]), *tile)
+        out, lse = launch.forward_pass(module, plan, q, k, v, scale)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2, msg=lambda m: f"{source} out: {m}")
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite), source
+        torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=1e-3, rtol=1e-3)
+        assert not out[empty].any() and torch.isneginf(lse[empty]).all()
+        for deterministic in (False, True):
+            grads = launch.backward_pass(module, plan, q, k, v, out, lse, d_out, scale, deterministic=deterministic)
+            for label, got, expected in zip("qkv", grads, want_grads):
+                _assert_grad_close(got, expected, f"{source} d{label} (deterministic={deterministic})", 5e-2)
+            assert not grads[0][empty].any()
+
+
+def test_masks_from_data_run_on_the_gpus_own_family():
+    """Off Hopper the op picks the sm80 family, which now reads a mask made from data's bits: no refusal."""
     made = catalogue_mask("random_eviction", 1, 512, device="cuda")
     mask = made.mask("mod", head_dim=64, dtype=torch.bfloat16)
     q = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="made from data.*Hopper"):
-        omnigen.attention(q, q, q, mask)
+    out = omnigen.attention(q, q, q, mask)
+    torch.testing.assert_close(out.double(), attention_reference(q, q, q, made.dense())[0], atol=2e-2, rtol=2e-2)

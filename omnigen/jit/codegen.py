@@ -230,6 +230,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         "block_m": config.tile.block_m,
         "block_n": config.tile.block_n,
         **family.render_context(config),
+        **family.rules_context(rules, config),
     }
     if config.forward_only:  # the binding's flags; the backward file is the launchers alone (forward_only.cu.j2)
         problem = "; ".join(family.backward_problems(config)).replace('"', "'")

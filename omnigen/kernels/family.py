@@ -122,6 +122,10 @@ class KernelFamily(ABC):
     def render_context(self, config: KernelConfig) -> dict[str, Any]:
         """The template variables that depend on the variant (the rules' part is common)."""
 
+    def rules_context(self, rules: Any, config: KernelConfig) -> dict[str, Any]:
+        """Template variables of this family that depend on the rules too (they update render_context's)."""
+        return {}
+
     # ---- launching a built module (inputs already checked by the op): the shared binding's arguments
 
     def forward(self, module: Any, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

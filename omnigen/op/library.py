@@ -209,8 +209,8 @@ def pass_module(kernel: str, q: torch.Tensor, backward: bool) -> tuple[Any, Any]
 
 def _ruleless_refusal(why: str) -> str:
     return (f"omnigen::attention: this mask was made from data (mask_from_dense / mask_from_mod / "
-            f"mask_from_intervals), so its partial tiles exist only as bits, and {why}. Such masks run on the sm90 "
-            "family's kernels (Hopper GPUs) built with partial_bits on (the default), and on CPU tensors")
+            f"mask_from_intervals), so its partial tiles exist only as bits, and {why}. Such masks run on the sm80 "
+            "family's kernels, the sm90 family's built with partial_bits on (the default), and on CPU tensors")
 
 
 # Inductor may hand the ops q, k, v, out and dO in whatever layout their producers find cheapest

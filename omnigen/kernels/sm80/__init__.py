@@ -46,7 +46,7 @@ class Sm80Family(KernelFamily):
             "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
             "grouped_heads": False,  # GQA: dK/dV partials per query head, summed by the caller
             "persistent": False,  # the forward: one CTA per tile (the sm90 family's may loop over tiles)
-            "partial_bits": False,  # partial tiles: the rules evaluated in the kernel (the sm90 forward reads bits)
+            "partial_bits": False,  # partial tiles: the rules evaluated in the kernel (but see rules_context)
             "backward_problem": problem,
             "step_rows": r.BACKWARD_STEP_ROWS,
             "bwd_warps": r.backward_warps,
@@ -63,6 +63,14 @@ class Sm80Family(KernelFamily):
             "dq_threads": 32 * r.dq_warps,
             "dq_shared_bytes": r.dq_shared_bytes,
         }
+
+    def rules_context(self, rules: Any, config: KernelConfig) -> dict[str, Any]:
+        # Partial tiles' masks as bits (plan.bits, include/omnigen/sm80/partial_bits.cuh): rendered for the modules of
+        # masks made from data (plan.ruleless: their partial tiles exist only as bits), so that every module of a
+        # rules file keeps the machine code it had -- on Ampere a rules mask carries no bits anyway (masks._reads_bits).
+        from ...plan.ruleless import is_ruleless  # (the plan layer, imported when a module is rendered)
+
+        return {"partial_bits": is_ruleless(rules)}
 
 
 FAMILY = Sm80Family()
