@@ -220,6 +220,20 @@ def test_build_tuning_options_need_tune(extra, words):
         assert word in output
 
 
+def test_build_forward_only(monkeypatch):
+    """--forward-only builds every variant without its backward; with --tune it says why not and what to run."""
+    from omnigen.cli import build as cli_build
+
+    output = _cli(["build", "--rules", RULES_FILE, "--forward-only", "--tune"])
+    for word in ("--forward-only and --tune", f"omnigen build --rules {RULES_FILE} --tune", "forward_only=True"):
+        assert word in output
+    asked = []
+    monkeypatch.setattr(cli_build, "_build_all", lambda variants, jobs, keep_going: asked.extend(variants) or [])
+    result = CliRunner().invoke(cli, ["build", "--rules", RULES_FILE, "--arch", "sm_90a", "--forward-only"])
+    assert result.exit_code == 0, result.output
+    assert asked and all(v.config.forward_only and "_fwd" in v.config.label for v in asked), asked
+
+
 def test_tuning_skipped_hint_and_sources_list():
     from omnigen.cli import build as cli_build
     from omnigen.jit import codegen

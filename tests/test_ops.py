@@ -61,6 +61,40 @@ def test_build_without_a_gpu_says_what_to_do(monkeypatch):
         omnigen.build(RULES, head_dim=64, tune=True, arch="sm_80")
 
 
+def test_a_forward_only_build_runs_forward_only_configs_tuned_ones_too(monkeypatch):
+    from omnigen.tune import db as tune_db
+
+    built = []
+
+    def module(rules, config):
+        built.append(config)
+        return _FakeModule()
+
+    full = ops._variant_config(RULES, 64, torch.bfloat16, "sm_80", None)
+    tuned = {4096: tune_db.Choice(full, full)}
+    monkeypatch.setattr(ops.cache, "get_module", module)
+    monkeypatch.setattr(ops, "_tuned_choices", lambda rules, config: tuned)
+    kernel = omnigen.build(RULES, head_dim=64, arch="sm_80", forward_only=True)
+    assert built == [kernel.config] and kernel.config.forward_only and kernel.config.label.endswith("_fwd")
+    for seq_len in (128, 4096):  # untuned and tuned lengths alike
+        choice = kernel.choice(seq_len)
+        assert choice.forward.forward_only and choice.backward.forward_only, seq_len
+    assert not omnigen.build(RULES, head_dim=64, arch="sm_80").config.forward_only
+
+
+@pytest.mark.gpu
+def test_a_forward_only_kernel_gives_the_full_kernels_forward_and_refuses_a_backward():
+    layout, q, k, v = _case("text:100 image:256 text:28", 2, 4, 2, 128, torch.bfloat16, 3)
+    full = omnigen.build(RULES, head_dim=128)
+    forward_only = omnigen.build(RULES, head_dim=128, forward_only=True)
+    assert not forward_only.has_backward
+    with torch.no_grad():
+        assert torch.equal(forward_only(q, k, v, layout), full(q, k, v, layout))
+    q_ = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="forward-only"):
+        forward_only(q_, k, v, layout).sum().backward()
+
+
 def test_kernel_picks_the_rules_tile_that_fits():
     rules = omnigen.Rules.from_dict({**RULES.to_dict(), "kernel": {"tiles": [{"block_m": 128, "block_n": 256, "warps": 4, "stages": 4},
                                                                              {"block_m": 64, "block_n": 64, "warps": 4, "stages": 2}]}})

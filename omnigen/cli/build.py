@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -144,10 +145,17 @@ def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache
 @click.option("--retune", is_flag=True, help="with --tune: time again even where the database has the results")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="parallel compile jobs (default: $MAX_JOBS or the CPU count)")
+@click.option("--forward-only", is_flag=True,
+              help="build the forward kernels alone, for inference (no backward; about half the compile time); "
+                   "load them with omnigen.build(rules, ..., forward_only=True)")
 @user_errors
 def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, layouts_file: str | None,
-          seq_lens: str | None, rounds: int | None, retune: bool, jobs: int | None) -> None:
+          seq_lens: str | None, rounds: int | None, retune: bool, jobs: int | None, forward_only: bool) -> None:
     """Render, compile and cache every kernel variant the rules ask for; with --tune, pick the fastest per shape."""
+    if forward_only and tune:
+        raise UserError("--forward-only and --tune: the tuner times forward and backward together. Tune the full "
+                        f"variants (omnigen build --rules {rules_path} --tune); omnigen.build(rules, ..., "
+                        "forward_only=True) then runs the tuned tiles' forward-only builds")
     if not tune:
         given = [flag for flag, value in (("--layouts", layouts_file), ("--seq-lens", seq_lens),
                                           ("--rounds", rounds), ("--retune", retune)) if value]
@@ -163,6 +171,8 @@ def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, 
                             "set e.g. MAX_JOBS=8, unset it, or pass --jobs N") from None
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
+    if forward_only:
+        configs = list(dict.fromkeys(replace(c, forward_only=True) for c in configs))
     lengths = _parse_seq_lens(seq_lens)
     job, skipped = _tuning_job(rules, layouts_file, lengths) if tune else (None, None)
     try:
@@ -295,6 +305,8 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
     """Where the emitted sources and the built modules of the rules are."""
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
+    if forward_only:
+        configs = list(dict.fromkeys(replace(c, forward_only=True) for c in configs))
     click.echo(f"rules {rules.name}: content hash {rules.content_hash()}, mask hash {rules.mask_hash()}")
     checked_in = regenerate.GENERATED_DIR / rules.name
     if checked_in.is_dir():

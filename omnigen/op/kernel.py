@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
@@ -245,6 +246,7 @@ def build(
     arch: str | None = None,
     tile: TileConfig | None = None,
     family: str | None = None,
+    forward_only: bool = False,
 ) -> Kernel:
     """Build (or load from the cache) the variant for these rules and return it as a callable kernel.
 
@@ -254,7 +256,9 @@ def build(
     `tune=True` first tunes this head dim and dtype on the visible GPU -- or reuses what an earlier
     process tuned with the same candidate space (omnigen/tune/). `family` pins a kernel family (e.g.
     "sm80" or "sm90" on an H100) instead of the arch's own (omnigen.kernels.FAMILIES); it implies a
-    pinned variant (no tuning database).
+    pinned variant (no tuning database). `forward_only=True` builds the forward kernels alone (inference: about half
+    the compile time); its calls run under torch.no_grad() or on tensors that need no gradient, and a backward
+    raises saying so.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
@@ -274,6 +278,11 @@ def build(
     else:
         tuned = _tuned_choices(rules, config) if tile is None and family is None else {}
     pinned = tile is not None or family is not None
+    if forward_only:  # every config it may run, the tuned ones too, is built without its backward
+        config = replace(config, forward_only=True)
+        tuned = {bucket: tune_db.Choice(replace(c.forward, forward_only=True), replace(c.forward, forward_only=True))
+                 for bucket, c in tuned.items()}
+        return Kernel(rules, config, cache.get_module(rules, config), tuned=tuned, backward=config)
     return Kernel(rules, config, cache.get_module(rules, config), tuned=tuned,
                   backward=None if pinned else default_backward(config))
 
