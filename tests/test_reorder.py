@@ -454,6 +454,12 @@ def test_the_gathers_are_differentiable_in_both_index_forms():
     assert torch.equal(gather_tokens(x, per), torch.stack([x[b, :, per[b]] for b in range(2)]))
     assert torch.autograd.gradcheck(lambda t: gather_tokens(t, per), (x,))
     assert torch.autograd.gradcheck(lambda t: gather_tokens(t, shared), (x,))
+    # with the inverse (the call's form) the backward is the gather by the inverse: the same gradients
+    for index in (shared, per):
+        inverse = torch.argsort(index, dim=-1)
+        assert torch.equal(gather_tokens(x, index, inverse), gather_tokens(x, index))
+        assert torch.autograd.gradcheck(lambda t: gather_tokens(t, index, inverse), (x,))
+        assert torch.autograd.gradgradcheck(lambda t: gather_tokens(t, index, inverse), (x,))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
