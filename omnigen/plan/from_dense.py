@@ -1,7 +1,8 @@
 """`mask_from_dense`: a boolean [B, S, S] or [S, S] mask (Binary Block Masking's input) as a `Mask`.
 
-Each block-row of tiles is read once: exact counts per tile (allowed pairs, those above the diagonal, those on or
-below it) give its kind, and the partial tiles' blocks become bits (`omnigen.plan.ruleless`). The mask is planned on
+The mask is read once, a slab of block-rows at a time, for every tile shape: exact counts per tile (allowed pairs,
+those above the diagonal, those on or below it) give its kind, and the partial tiles' blocks become bits
+(`omnigen.plan.ruleless.classify_shapes`). The mask is planned on
 its own device (`device` moves it first): CPU tensors on the CPU, CUDA tensors on the GPU with torch operations.
 """
 
@@ -14,7 +15,7 @@ import torch
 from ..errors import InputError, type_name
 from .masks import Mask
 from .planners import _check_device
-from .ruleless import check_capacity_choice, classify_slabs, ruleless_mask, tile_shapes
+from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
 
 
 def dense_problems(mask: object, name: str = "mask") -> list[str]:
@@ -71,5 +72,5 @@ def mask_from_dense(
         mask = mask[None].expand(batch or 1, -1, -1)  # a view: one [S, S] tensor for every element
     B, S = mask.shape[0], mask.shape[-1]
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
-    plans = [classify_slabs(lambda b0, b1, r0, r1: mask[b0:b1, r0:r1], B, S, m, n, device) for m, n in shapes]
+    plans = classify_shapes(lambda b0, b1, r0, r1: mask[b0:b1, r0:r1], B, S, shapes, device)  # read once
     return ruleless_mask(plans, B, S, batched, device, partial_bits, made_by="mask_from_dense")

@@ -1,8 +1,9 @@
 """`mask_from_mod`: a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool` as a `Mask`.
 
 The mod is called on index tensors that broadcast against each other -- b [n, 1, 1], q_idx [1, rows, 1],
-kv_idx [1, 1, keys], h a 0-d zero -- one block-row of tiles (a bounded chunk of keys) at a time, never on an S x S
-grid; the block-row is then classified exactly and its partial tiles kept as bits (`omnigen.plan.ruleless`). A mod
+kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles up to `ruleless.SLAB_ELEMENTS` pairs,
+one call each), never on an S x S grid; each slab is evaluated once for every tile shape, classified exactly and its
+partial tiles packed to bits (`omnigen.plan.ruleless.classify_shapes`). A mod
 written for FlexAttention works unchanged when it uses tensor operations (FlexAttention vmaps it over scalars;
 here it sees whole blocks), which is what `create_block_mask` needs too.
 
@@ -20,10 +21,11 @@ import torch
 from ..errors import InputError, type_name
 from .masks import Mask
 from .planners import _check_device
-from .ruleless import check_capacity_choice, classify_slabs, ruleless_mask, tile_shapes
+from .ruleless import SLAB_ELEMENTS, check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
 
-# Pairs one call of the mod evaluates at most (its temporaries are a few tensors of this many elements).
-EVAL_ELEMENTS = 1 << 22
+# Pairs one call of the mod evaluates at most (its temporaries are a few tensors of this many elements): a whole slab,
+# so each slab is one call -- few large launches on a GPU.
+EVAL_ELEMENTS = SLAB_ELEMENTS
 # Positions per axis of the sample that checks the mod against two heads.
 HEAD_SAMPLE = 96
 
@@ -114,7 +116,7 @@ def mask_from_mod(
     """A `Mask` from a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx)` over B sequences of S tokens.
 
     `create_block_mask(mod, B, None, S, S)` becomes `omnigen.mask_from_mod(mod, B, S)`. The mod is evaluated exactly,
-    one block-row of tiles at a time on `device` (never an S x S tensor); tiles are classified exactly and every
+    a slab of block-rows at a time on `device` (never an S x S tensor); tiles are classified exactly and every
     partial tile's mask kept as bits. `kv_len`: only S (omnigen's masks are square). `tiles`, `head_dim`, `dtype`,
     `partial_bits`: as for `omnigen.mask_from_dense`."""
     problems = [p for p in (_positive("B", B), _positive("S", S)) if p]
@@ -135,15 +137,20 @@ def mask_from_mod(
     batches = torch.arange(B, device=device)
 
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
-        out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
         b = batches[b0:b1, None, None]
-        q = torch.arange(r0, r1, device=device)[None, :, None]
-        keys = max(1, EVAL_ELEMENTS // ((b1 - b0) * (r1 - r0)))
-        for c0 in range(0, S, keys):
-            c1 = min(S, c0 + keys)
-            out[:, :, c0:c1] = mod(b, q, torch.arange(c0, c1, device=device)[None, None, :])
+        keys = torch.arange(S, device=device)[None, None, :]
+        rows = max(1, EVAL_ELEMENTS // ((b1 - b0) * S))
+        if rows >= r1 - r0:  # one call: its result is the slab (no copy)
+            return mod(b, torch.arange(r0, r1, device=device)[None, :, None], keys)
+        out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
+        width = max(1, EVAL_ELEMENTS // (b1 - b0))  # keys per call when even one row is too many
+        for q0 in range(r0, r1, rows):
+            q = torch.arange(q0, min(r1, q0 + rows), device=device)[None, :, None]
+            for c0 in range(0, S, width):
+                c1 = min(S, c0 + width)
+                out[:, q0 - r0 : q0 - r0 + q.shape[1], c0:c1] = mod(b, q, keys[..., c0:c1])
         return out
 
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
-    plans = [classify_slabs(slab, B, S, m, n, device) for m, n in shapes]
+    plans = classify_shapes(slab, B, S, shapes, device)  # the mod evaluated once for every tile shape
     return ruleless_mask(plans, B, S, True, device, partial_bits, made_by="mask_from_mod")

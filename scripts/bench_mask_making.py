@@ -1,0 +1,139 @@
+"""Time making masks from data (issue 29: "making a mask <= FlexAttention's create_block_mask time for the same mod").
+
+For catalogue masks (omnigen.mask_catalogue) it times `omnigen.mask_from_mod` (and, with --sources, mask_from_dense /
+mask_from_intervals) and counts, with torch.profiler, what costs a GPU: aten ops (each a kernel launch or more on
+CUDA) and host syncs (aten::item / _local_scalar_dense, aten::nonzero: ops whose result size or value the host must
+wait for). On a CPU the op counts are the proxy for the GPU's launch and sync costs; on CUDA the times are the real
+thing, beside FlexAttention's create_block_mask when it is importable (--flex).
+
+    PYTHONPATH=. python3 scripts/bench_mask_making.py --sizes 4096 8192 --tokens 8192 --device cpu
+    PYTHONPATH=. python3 scripts/bench_mask_making.py --sizes 8192 32768 --tokens 32768 --device cuda --flex \\
+        --head-dim 128 --out /tmp/making.json
+
+With --digest it also prints a hash of each mask's schedules and bits, so two versions of the makers can be compared
+for bit-identical results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import omnigen  # noqa: E402
+from omnigen.mask_catalogue import NAMES, catalogue_mask  # noqa: E402
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static")
+DEFAULT_MASKS = ("causal_documents", "global_sliding_window", "random_eviction", "medusa_tree", "qk_sparse")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(make: Callable[[], Any], device: torch.device, runs: int) -> tuple[float, Any]:
+    """(median ms of make() between device syncs, after one untimed call; the last result)."""
+    made = make()
+    times = []
+    for _ in range(runs):
+        _sync(device)
+        start = time.perf_counter()
+        made = make()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), made
+
+
+def op_counts(make: Callable[[], Any], device: torch.device) -> dict[str, int]:
+    """aten ops called by make() (top-level and nested alike) and those of them that make the host wait."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        make()
+        _sync(device)
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    syncs = sum(1 for e in events if e.name in SYNC_OPS)
+    # launches: ops that do work themselves, i.e. no aten op below them (views count too: cheap on a GPU, but free
+    # of launches only when they do not copy; an upper bound on launches either way)
+    leaves = sum(1 for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children))
+    return {"aten_ops": len(events), "leaf_ops": leaves, "syncs": syncs}
+
+
+def digest(mask) -> str:
+    """A hash of every schedule tensor and bit of a mask: equal digests, bit-identical masks."""
+    h = hashlib.sha256()
+    for t in mask.schedules:
+        h.update(str((t.dtype, tuple(t.shape))).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for shape in mask.tiles:
+        h.update(str(shape).encode())
+        h.update(str(mask.plan(*shape).allowed_pairs).encode())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--masks", nargs="+", default=list(DEFAULT_MASKS), help=f"catalogue names ({', '.join(NAMES)})")
+    parser.add_argument("--sizes", nargs="+", type=int, default=[4096, 8192])
+    parser.add_argument("--tokens", type=int, default=8192, help="B * S")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tiles", default="128x64,128x128", help="tile shapes, or 'default' (the kernels')")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--sources", nargs="+", default=["mod"], choices=["mod", "dense", "intervals"])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--no-profile", action="store_true", help="skip the op counts")
+    parser.add_argument("--digest", action="store_true")
+    parser.add_argument("--flex", action="store_true", help="also time FlexAttention's create_block_mask")
+    parser.add_argument("--out", help="write the rows as JSON")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tiles = None if args.tiles == "default" else [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    rows = []
+    for S in args.sizes:
+        B = max(1, args.tokens // S)
+        for name in args.masks:
+            made = catalogue_mask(name, B, S, device)
+            for source in args.sources:
+                if source == "intervals" and made.intervals is None:
+                    continue
+                kwargs: dict[str, Any] = {"head_dim": args.head_dim, "dtype": torch.bfloat16}
+                if tiles is not None:
+                    kwargs["tiles"] = tiles
+                if source == "mod":
+                    make = lambda: omnigen.mask_from_mod(made.mask_mod, B, S, device, **kwargs)  # noqa: E731
+                elif source == "dense":
+                    dense = made.dense()
+                    make = lambda: omnigen.mask_from_dense(dense, **kwargs)  # noqa: E731
+                else:
+                    lts, lte, uts, ute = made.intervals
+                    make = lambda: omnigen.mask_from_intervals(lts, lte, uts, ute, **kwargs)  # noqa: E731
+                ms, mask = timed(make, device, args.runs)
+                row: dict[str, Any] = {"mask": name, "source": source, "S": S, "B": B, "tiles": [list(t) for t in mask.tiles],
+                                       "make_ms": round(ms, 2),
+                                       "partial_tiles": sum(mask.plan(*t).counts()["partial"] for t in mask.tiles)}
+                if not args.no_profile:
+                    row.update(op_counts(make, device))
+                if args.digest:
+                    row["digest"] = digest(mask)
+                if args.flex and source == "mod":
+                    from torch.nn.attention.flex_attention import create_block_mask
+                    flex_ms, _ = timed(lambda: create_block_mask(made.mask_mod, B, None, S, S, device=device),
+                                       device, args.runs)
+                    row["flex_ms"] = round(flex_ms, 2)
+                    row["make_vs_flex"] = round(flex_ms / ms, 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
