@@ -146,7 +146,7 @@ def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
               help="parallel compile jobs (default: $MAX_JOBS or the CPU count)")
 @click.option("--forward-only", is_flag=True,
-              help="build the forward kernels alone, for inference (no backward; about half the compile time); "
+              help="build the forward kernels alone, for inference (no backward kernels: a smaller module); "
                    "load them with omnigen.build(rules, ..., forward_only=True)")
 @user_errors
 def build(rules_path: str, out: str | None, archs: tuple[str, ...], tune: bool, layouts_file: str | None,

@@ -256,8 +256,8 @@ def build(
     `tune=True` first tunes this head dim and dtype on the visible GPU -- or reuses what an earlier
     process tuned with the same candidate space (omnigen/tune/). `family` pins a kernel family (e.g.
     "sm80" or "sm90" on an H100) instead of the arch's own (omnigen.kernels.FAMILIES); it implies a
-    pinned variant (no tuning database). `forward_only=True` builds the forward kernels alone (inference: about half
-    the compile time); its calls run under torch.no_grad() or on tensors that need no gradient, and a backward
+    pinned variant (no tuning database). `forward_only=True` builds the forward kernels alone (inference: a smaller
+    module, somewhat faster to compile); its calls run under torch.no_grad() or on tensors that need no gradient, and a backward
     raises saying so.
     """
     if not isinstance(rules, Rules):
