@@ -257,8 +257,8 @@ def build(
     process tuned with the same candidate space (omnigen/tune/). `family` pins a kernel family (e.g.
     "sm80" or "sm90" on an H100) instead of the arch's own (omnigen.kernels.FAMILIES); it implies a
     pinned variant (no tuning database). `forward_only=True` builds the forward kernels alone (inference: a smaller
-    module, somewhat faster to compile); its calls run under torch.no_grad() or on tensors that need no gradient, and a backward
-    raises saying so.
+    module, somewhat faster to compile); its calls run under torch.no_grad() or on tensors that need no gradient,
+    and a backward raises saying so.
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
