@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .bits import thread_columns, mask_words, pack_thread_values
+from .bits import thread_columns, mask_words
 
-# Scores of this many tile elements are packed at a time (bounded temporaries: int64 weights per element).
+# Tile elements packed at a time, about (bounded temporaries: an int16 copy of the values, int64 words of 8).
 PACK_ELEMENTS = 1 << 22
 
 
@@ -33,13 +33,37 @@ def pack(tiles: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         tiles = tiles.transpose(1, 2)
     n, rows, columns = tiles.shape
     words = mask_words(columns)
-    column, exists = _columns(columns, tiles.device)
     out = torch.empty(n, words, rows, 4, dtype=torch.int32, device=tiles.device)
     step = max(1, PACK_ELEMENTS // max(1, rows * words * 128))
     for first in range(0, n, step):
-        # [m, rows, 4, words * 32]: each thread's values in order, absent columns False.
-        out[first : first + step] = pack_thread_values(tiles[first : first + step][:, :, column] & exists)
+        out[first : first + step] = _pack_bytes(tiles[first : first + step], words)
     return out
+
+
+def _pack_bytes(tiles: torch.Tensor, words: int) -> torch.Tensor:
+    """`pack` of bool [m, rows, columns] (columns a multiple of 16), eight values at a time: thread t's values in order
+    are a reshape of the row (column c = 8 (v // 2) + 2 t + v % 2: groups of 8 columns, 4 threads, 2 values), and
+    eight 0/1 bytes of an int64 word fold into one byte of bits by shifts (no multiply: nothing overflows)."""
+    m, rows, columns = tiles.shape
+    # Two adjacent columns are one int16, so thread t's values are every 4th int16 of the row: one copy of 2-byte
+    # elements (not a gather of bytes), padded to whole int64 words of 8 values.
+    groups = -(-columns // 32)  # int64 words of 8 values per thread and row
+    pairs = tiles.contiguous().view(torch.int16).view(m, rows, columns // 8, 4).transpose(2, 3)
+    if groups * 4 == columns // 8:
+        values = pairs.contiguous()
+    else:
+        values = torch.zeros(m, rows, 4, groups * 4, dtype=torch.int16, device=tiles.device)
+        values[..., : columns // 8] = pairs
+    x = values.view(torch.int64)  # [m, rows, 4, groups]: byte k of word g is value 8 g + k
+    x = (x | (x >> 7)) & 0x0003000300030003  # value pairs into the low 2 bits of each 16-bit lane
+    x = (x | (x >> 14)) & 0x0000000F0000000F  # ... 4 bits of each 32-bit lane
+    x = (x | (x >> 28)) & 0xFF  # the word's 8 values as bits 0-7
+    if groups < words * 4:  # values past the tile's columns: 0
+        x = torch.nn.functional.pad(x, (0, words * 4 - groups))
+    shifts = torch.arange(0, 32, 8, device=tiles.device)
+    packed = (x.view(m, rows, 4, words, 4) << shifts).sum(-1)  # [m, rows, 4, words], < 2^32 (bits distinct)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.permute(0, 3, 1, 2)
 
 
 def unpack(words: torch.Tensor, block_m: int, block_n: int, transposed: bool = False) -> torch.Tensor:
