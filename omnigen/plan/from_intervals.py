@@ -11,12 +11,13 @@ first row) and, causal, it lies on or below the diagonal; sure empty when one in
 column, or, causal, it lies above the diagonal. The tiles these bounds leave open (the ones the mask's edges cross)
 are counted exactly column by column (O(block_n) each): allowed pairs, those above the diagonal, those missing
 below it -- so a full tile is never called partial. Partial tiles' blocks are evaluated from the vectors, a chunk
-at a time, and become bits (`omnigen.plan.ruleless`).
+at a time, once, and packed to both schedules' bits right away (`omnigen.plan.ruleless`: ShapePlan.packed). Counts
+stay on the device: the host waits for the open tiles and once more per tile shape.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -24,8 +25,9 @@ from ..errors import InputError, type_name
 from ..semantics import EMPTY, FULL, PARTIAL
 from .masks import Mask
 from .planners import _check_device
-from .ruleless import (ShapePlan, check_capacity_choice, kinds_from_counts, ruleless_mask, tile_area,
+from .ruleless import (ShapePlan, check_capacity_choice, kinds_from_counts, positions_of, ruleless_mask, tile_area,
                        tile_shapes)
+from .tile_bits import pack
 
 # Column evaluations (undecided tiles x block_n) and pairs (partial tiles x block_m x block_n) per chunk.
 CHUNK_ELEMENTS = 1 << 22
@@ -68,20 +70,24 @@ def interval_problems(vectors: dict[str, object]) -> list[str]:
                         ", ".join(f"{n} on {v.device}" for n, v in tensors.items()))
         return problems
     S = next(iter(shapes))[-1]
-    for name, v in tensors.items():
-        bad = ((v < 0) | (v > S)).nonzero()
-        if bad.numel():
-            where = tuple(bad[0].tolist())
+    # Every check counted on the device and read at once (one host wait); the first bad entry is looked up only for a
+    # check that failed.
+    out_of_range = {name: (v < 0) | (v > S) for name, v in tensors.items()}
+    order = {(start, end): tensors[start] > tensors[end] for start, end in (("lts", "lte"), ("uts", "ute"))
+             if start in tensors and end in tensors}
+    checks = [bad.sum() for bad in [*out_of_range.values(), *order.values()]]
+    counts = torch.stack(checks).tolist() if checks else []
+    for (name, bad), count in zip(out_of_range.items(), counts):
+        if count:
+            where = tuple(bad.nonzero()[0].tolist())
             problems.append(f"{name} must hold row indices in [0, S] = [0, {S}]: {name}{list(where)} = "
-                            f"{int(v[where])} ({len(bad)} entries out of range)")
-    for start, end in (("lts", "lte"), ("uts", "ute")):
-        if start in tensors and end in tensors and not any(n in p for p in problems for n in (start, end)):
-            bad = (tensors[start] > tensors[end]).nonzero()
-            if bad.numel():
-                where = tuple(bad[0].tolist())
-                problems.append(f"{start} must be <= {end} (the masked rows of a column are [{start}, {end}); equal "
-                                f"means none): at {list(where)} {start} = {int(tensors[start][where])} > {end} = "
-                                f"{int(tensors[end][where])} ({len(bad)} columns)")
+                            f"{int(tensors[name][where])} ({count} entries out of range)")
+    for ((start, end), bad), count in zip(order.items(), counts[len(out_of_range):]):
+        if count and not any(n in p for p in problems for n in (start, end)):
+            where = tuple(bad.nonzero()[0].tolist())
+            problems.append(f"{start} must be <= {end} (the masked rows of a column are [{start}, {end}); equal "
+                            f"means none): at {list(where)} {start} = {int(tensors[start][where])} > {end} = "
+                            f"{int(tensors[end][where])} ({count} columns)")
     return problems
 
 
@@ -192,27 +198,37 @@ class _Intervals:
         kinds[sure_full] = FULL
         kinds[sure_empty & ~sure_full] = EMPTY
         area = tile_area(S, block_m, block_n, device).expand(B, nq, nk)
-        pairs = int(area[sure_full & ~sure_empty].sum())
+        pairs = area[sure_full & ~sure_empty].sum()  # on the device: the host reads it once, below
         open_tiles = (~(sure_full | sure_empty)).nonzero()  # [n, 3]: (b, i, jt)
         step = max(1, CHUNK_ELEMENTS // block_n)
         for first in range(0, open_tiles.shape[0], step):
             b, i, jt = open_tiles[first : first + step].unbind(1)
             allowed, above, missing = self.exact_counts(b, i, jt, block_m, block_n)
             kinds[b, i, jt] = kinds_from_counts(allowed, above, missing, area[b, i, jt])
-            pairs += int(allowed.sum())
-        return ShapePlan(block_m, block_n, kinds, pairs, lambda: self._partials(kinds, block_m, block_n))
+            pairs = pairs + allowed.sum()
+        partial = kinds == PARTIAL
+        pairs, count = torch.stack([pairs, partial.sum()]).tolist()  # the one wait after the open tiles'
+        return ShapePlan(block_m, block_n, kinds, pairs, [], packed=self._packed(partial, count, block_m, block_n),
+                         partial_count=count)
 
-    def _partials(self, kinds: torch.Tensor, block_m: int, block_n: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        """The partial tiles' blocks, evaluated from the vectors a chunk at a time."""
-        where = (kinds == PARTIAL).nonzero()
+    def _packed(self, partial: torch.Tensor, count: int, block_m: int,
+                block_n: int) -> list[tuple[torch.Tensor, ...]]:
+        """The partial tiles' blocks evaluated from the vectors a chunk at a time, each packed to both schedules' bits
+        right away (ShapePlan.packed): evaluated once, held as bits only."""
+        where = positions_of(partial.reshape(-1), count)
+        _, nq, nk = partial.shape
         step = max(1, CHUNK_ELEMENTS // (block_m * block_n))
         rows = torch.arange(block_m, device=self.device)[None, :, None]
         cols = torch.arange(block_n, device=self.device)[None, None, :]
-        for first in range(0, where.shape[0], step):
-            b, i, j = where[first : first + step].unbind(1)
+        out = []
+        for first in range(0, count, step):
+            flat = where[first : first + step]
+            b, i, j = flat // (nq * nk), flat // nk % nq, flat % nk
             q = i[:, None, None] * block_m + rows
             k = j[:, None, None] * block_n + cols
-            yield b, i, j, self.allowed(b[:, None, None], q, k)
+            blocks = self.allowed(b[:, None, None], q, k)
+            out.append((b, i, j, pack(blocks), pack(blocks, transposed=True)))
+        return out
 
 
 def mask_from_intervals(

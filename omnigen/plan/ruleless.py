@@ -197,7 +197,7 @@ def _shape_groups(S: int, shapes: list[tuple[int, int]]) -> list[list[tuple[int,
     return list(by_m.values())
 
 
-def _nonzero(flags: torch.Tensor, count: int) -> torch.Tensor:
+def positions_of(flags: torch.Tensor, count: int) -> torch.Tensor:
     """int64 [count]: the True positions of a flat bool tensor holding `count` of them, without the host wait of
     nonzero (the count is known)."""
     if hasattr(torch, "nonzero_static"):
@@ -277,7 +277,7 @@ def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
                     continue
                 partial_counts[s] += counts[s]
                 _, rows_s, nk = sizes[s]
-                flat = _nonzero(flags[s], counts[s])
+                flat = positions_of(flags[s], counts[s])
                 b, i, j = flat // (rows_s * nk), flat // nk % rows_s, flat % nk
                 blocks = data.view(n_b, held // m, m, width // n, n)[b, i, :, j]  # [count, m, n]
                 packed[s].append((b + b0, i + lo[s], j, pack(blocks), pack(blocks, transposed=True)))
