@@ -1,9 +1,9 @@
 """`mask_from_mod`: a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool` as a `Mask`.
 
 The mod is called on index tensors that broadcast against each other -- b [n, 1, 1], q_idx [1, rows, 1],
-kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles up to `ruleless.SLAB_ELEMENTS` pairs,
-one call each), never on an S x S grid; each slab is evaluated once for every tile shape, classified exactly and its
-partial tiles packed to bits (`omnigen.plan.ruleless.classify_shapes`). A mod
+kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles, `ruleless.slab_elements` pairs, in
+calls of at most EVAL_ELEMENTS pairs), never on an S x S grid; each slab is evaluated once for every tile shape,
+classified exactly and its partial tiles packed to bits (`omnigen.plan.ruleless.classify_shapes`). A mod
 written for FlexAttention works unchanged when it uses tensor operations (FlexAttention vmaps it over scalars;
 here it sees whole blocks), which is what `create_block_mask` needs too.
 
@@ -23,8 +23,8 @@ from .masks import Mask
 from .planners import _check_device
 from .ruleless import SLAB_ELEMENTS, check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
 
-# Pairs one call of the mod evaluates at most (its temporaries are a few tensors of this many elements): a whole slab,
-# so each slab is one call -- few large launches on a GPU.
+# Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements): a whole
+# slab on a CPU (one call, its result the slab), a quarter of one on a GPU (large launches, temporaries ~128 MiB).
 EVAL_ELEMENTS = SLAB_ELEMENTS
 # Positions per axis of the sample that checks the mod against two heads.
 HEAD_SAMPLE = 96

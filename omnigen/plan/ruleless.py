@@ -100,11 +100,11 @@ def kinds_from_counts(allowed: torch.Tensor, above: torch.Tensor, below_missing:
     """int8 kinds from exact per-tile counts (any shape): allowed pairs, allowed pairs above the diagonal (k > q),
     pairs on or below it that are not allowed, and the tile's pairs inside the sequence. Causal: the tile's mask is
     exactly k <= q -- nothing above, nothing missing below -- and it is neither empty nor full."""
+    # Python scalars in torch.where keep int8 and make no device tensor (on a GPU each would be a copy from the host).
     kinds = torch.full(allowed.shape, PARTIAL, dtype=torch.int8, device=allowed.device)
-    kinds = torch.where((above == 0) & (below_missing == 0), torch.tensor(CAUSAL, dtype=torch.int8,
-                                                                         device=allowed.device), kinds)
-    kinds = torch.where(allowed == area, torch.tensor(FULL, dtype=torch.int8, device=allowed.device), kinds)
-    return torch.where(allowed == 0, torch.tensor(EMPTY, dtype=torch.int8, device=allowed.device), kinds)
+    kinds = torch.where((above == 0) & (below_missing == 0), CAUSAL, kinds)
+    kinds = torch.where(allowed == area, FULL, kinds)
+    return torch.where(allowed == 0, EMPTY, kinds)
 
 
 def tile_area(S: int, block_m: int, block_n: int, device: torch.device) -> torch.Tensor:
@@ -125,31 +125,36 @@ def lower_counts(S: int, r0: int, r1: int, block_n: int, device: torch.device) -
 
 
 # Elements of one slab (block-rows of tiles over some batch elements, every key) the classifier holds at once. A slab
-# spans as many block-rows as fit, so a GPU gets few large launches and the host waits once per slab, not per row.
+# spans as many block-rows as fit, so the host waits once per slab, not per row. On a GPU a slab is larger: each of its
+# ~100 small launches costs the host a few microseconds whatever the slab's size, so fewer, larger slabs keep the GPU
+# (not the launches) the limit; the mod's temporaries stay bounded by from_mod.EVAL_ELEMENTS.
 SLAB_ELEMENTS = 1 << 24
+GPU_SLAB_ELEMENTS = 1 << 26
+
+
+def slab_elements(device: torch.device) -> int:
+    """The slab budget on `device` (SLAB_ELEMENTS on a CPU, GPU_SLAB_ELEMENTS elsewhere)."""
+    return SLAB_ELEMENTS if device.type == "cpu" else max(SLAB_ELEMENTS, GPU_SLAB_ELEMENTS)
+
 
 # Count cells are at most this many rows: `_cell_counts` adds 0/1 bytes of int64 words row by row, so a byte of the
 # sum holds at most this many (< 128: no carry into the next byte, no signed overflow of the top one).
 CELL_ROWS = 64
-# ... and at most this many columns (the four 16-bit lane sums must stay below 2^16: CELL_ROWS x CELL_COLUMNS pairs).
-CELL_COLUMNS = 256
-_EVEN_BYTES = 0x00FF00FF00FF00FF
+# Partial tiles' elements gathered before they are packed to bits together (a few launches per batch, not per slab).
+PACK_BATCH = 1 << 22
 
 
 def _cell_counts(data: torch.Tensor, gm: int, gn: int) -> torch.Tensor:
     """int64 [b, rows / gm, cols / gn]: the True entries of every gm x gn cell of `data`, bool [b, rows, cols] whose
-    int64 view exists (`_as_words`); gm <= CELL_ROWS, gn <= CELL_COLUMNS a multiple of 8.
+    int64 view exists (`_as_words`); gm <= CELL_ROWS, gn a multiple of 8.
 
     A bool is a 0/1 byte, so an int64 word adds eight of them at once (SWAR): the cell's rows summed word by word
-    (bytes <= gm), even and odd bytes split into 16-bit lanes, the cell's words summed (lanes <= 2 gm gn / 8), the four
-    lanes folded. Exact, and 8x fewer elements than a reduction over the bools -- on a CPU ~10x faster than one."""
+    leave in each byte the count of one column (<= gm), and those bytes, read back as uint8, are summed per cell --
+    a reduction over 1/gm of the slab. Exact, and on a CPU ~10x faster than a reduction over the bools."""
     b, rows, cols = data.shape
     words = data.view(torch.int64).view(b, rows // gm, gm, cols // 8)
-    s = words.sum(2)  # [b, rows / gm, cols / 8]: per byte, the cell rows' count of that column
-    s = (s & _EVEN_BYTES) + ((s >> 8) & _EVEN_BYTES)  # four 16-bit lanes, each <= 2 gm
-    s = s.view(b, rows // gm, cols // gn, gn // 8).sum(-1)  # lanes <= gm gn / 4 < 2^15: s stays non-negative
-    s = s + (s >> 32)
-    return (s + (s >> 16)) & 0xFFFF  # the lanes' total, <= gm gn <= 2^14
+    columns = words.sum(2).view(torch.uint8)  # [b, rows / gm, cols]: per column, its count in the cell's rows
+    return columns.view(b, rows // gm, cols // gn, gn).sum(-1)
 
 
 def _as_words(block: torch.Tensor, b: int, rows: int, width: int) -> torch.Tensor:
@@ -185,11 +190,11 @@ def _lcm(values: Iterable[int]) -> int:
     return out
 
 
-def _shape_groups(S: int, shapes: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+def _shape_groups(S: int, shapes: list[tuple[int, int]], budget: int) -> list[list[tuple[int, int]]]:
     """Tile shapes read from one slab: all of them, unless the block-rows they share (the lcm of their block_m) would
     not fit a slab; then one group per block_m."""
     width = _lcm(n for _, n in shapes) * -(-S // _lcm(n for _, n in shapes))
-    if _lcm(m for m, _ in shapes) * width <= SLAB_ELEMENTS:
+    if _lcm(m for m, _ in shapes) * width <= budget:
         return [shapes]
     by_m: dict[int, list[tuple[int, int]]] = {}
     for m, n in shapes:
@@ -209,14 +214,15 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     """ShapePlans (in `shapes` order) from `slab(b0, b1, r0, r1)` -> bool [b1 - b0, r1 - r0, S], the mask's rows
     [r0, r1) of batch elements b0..b1 (every column), each part of the mask read once for every tile shape.
 
-    A slab spans many block-rows (up to SLAB_ELEMENTS). Its pairs are counted once in cells that every shape's tiles
-    are unions of (gcd of the block sides), with the SWAR count of `_cell_counts`; pairs above the diagonal only in
-    the band of columns the diagonal crosses (left of it none, right of it all); each shape's tile counts are sums of
-    cells, and its kinds come from them with `kinds_from_counts`. The host waits once per slab, for the number of
-    partial tiles of each shape (their blocks are gathered and packed to bits right away: memory O(SLAB_ELEMENTS +
-    partial tiles' bits)). Work O(B S^2)."""
+    A slab spans many block-rows (up to `slab_elements(device)` pairs). Its pairs are counted once, in cells that every
+    shape's tiles are unions of (gcd of the block sides), by the SWAR count of `_cell_counts`; pairs above the
+    diagonal only in the band of columns the diagonal crosses (left of it none, right of it all); each shape's tile
+    counts are sums of cells, its kinds `kinds_from_counts` of them (lower counts in closed form: `lower_grid`). The
+    host waits once per slab, for the number of partial tiles of each shape and the slab's pairs; the partial tiles'
+    blocks are gathered and packed to bits in batches (`_Packer`): memory O(slab + PACK_BATCH + partial tiles' bits).
+    Work O(B S^2), launches O(slabs x shapes + partial tiles / PACK_BATCH)."""
     plans = {}
-    for group in _shape_groups(S, shapes):
+    for group in _shape_groups(S, shapes, slab_elements(device)):
         for plan in _classify_group(slab, B, S, group, device):
             plans[(plan.block_m, plan.block_n)] = plan
     return [plans[shape] for shape in shapes]
@@ -225,16 +231,17 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
 def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> list[ShapePlan]:
     unit_m, unit_n = _lcm(m for m, _ in shapes), _lcm(n for _, n in shapes)
     gm = math.gcd(CELL_ROWS, *(m for m, _ in shapes))
-    gn = math.gcd(CELL_COLUMNS, *(n for _, n in shapes))
+    gn = math.gcd(*(n for _, n in shapes))
     width = unit_n * -(-S // unit_n)  # columns, padded to whole tiles of every shape
     all_rows = unit_m * -(-S // unit_m)
-    rows = min(all_rows, max(unit_m, SLAB_ELEMENTS // width // unit_m * unit_m))
-    per_batch = max(1, SLAB_ELEMENTS // (rows * width))
+    budget = slab_elements(device)
+    rows = min(all_rows, max(unit_m, budget // width // unit_m * unit_m))
+    per_batch = max(1, budget // (rows * width))
     grids = [(-(-S // m), -(-S // n)) for m, n in shapes]
     kinds = [torch.empty(B, nq, nk, dtype=torch.int8, device=device) for nq, nk in grids]
     areas = [tile_area(S, m, n, device) for m, n in shapes]
     lowers = [lower_grid(S, m, n, device) for m, n in shapes]
-    packed: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in shapes]
+    packers = [_Packer() for _ in shapes]
     partial_counts = [0] * len(shapes)
     pairs = 0
     positions = torch.arange(width, device=device)
@@ -280,9 +287,36 @@ def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
                 flat = positions_of(flags[s], counts[s])
                 b, i, j = flat // (rows_s * nk), flat // nk % rows_s, flat % nk
                 blocks = data.view(n_b, held // m, m, width // n, n)[b, i, :, j]  # [count, m, n]
-                packed[s].append((b + b0, i + lo[s], j, pack(blocks), pack(blocks, transposed=True)))
-    return [ShapePlan(m, n, kinds[s], pairs, [], packed=packed[s], partial_count=partial_counts[s])
+                packers[s].add(b + b0, i + lo[s], j, blocks)
+    return [ShapePlan(m, n, kinds[s], pairs, [], packed=packers[s].done(), partial_count=partial_counts[s])
             for s, (m, n) in enumerate(shapes)]
+
+
+class _Packer:
+    """Partial tiles' blocks gathered from slabs, packed to both schedules' bits PACK_BATCH elements at a time: memory
+    O(PACK_BATCH + partial tiles' bits), and the packing's launches scale with the partial tiles, not the slabs."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, ...]] = []
+        self.elements = 0
+        self.packed: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor, blocks: torch.Tensor) -> None:
+        self.pending.append((b, i, j, blocks))
+        self.elements += blocks.numel()
+        if self.elements >= PACK_BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        b, i, j, blocks = (torch.cat(parts) if len(self.pending) > 1 else parts[0] for parts in zip(*self.pending))
+        self.packed.append((b, i, j, pack(blocks), pack(blocks, transposed=True)))
+        self.pending, self.elements = [], 0
+
+    def done(self) -> list[tuple[torch.Tensor, ...]]:
+        self._flush()
+        return self.packed
 
 
 def classify_slabs(slab, B: int, S: int, block_m: int, block_n: int, device: torch.device) -> ShapePlan:
