@@ -33,6 +33,11 @@ from omnigen.mask_catalogue import NAMES, catalogue_mask  # noqa: E402
 
 # nonzero_static is no wait: its size is given
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+# Ops that only make tensor metadata or memory (no kernel on a GPU).
+METADATA_OPS = frozenset(f"aten::{name}" for name in (
+    "empty", "empty_strided", "as_strided", "view", "reshape", "_reshape_alias", "_unsafe_view", "unsqueeze", "squeeze",
+    "slice", "select", "expand", "permute", "transpose", "t", "unbind", "split", "alias", "detach", "resize_",
+    "lift_fresh", "view_as", "expand_as", "narrow", "_to_copy_meta", "set_", "to", "contiguous", "result_type"))
 DEFAULT_MASKS = ("causal_documents", "global_sliding_window", "random_eviction", "medusa_tree", "qk_sparse")
 
 
@@ -75,8 +80,10 @@ def op_counts(make: Callable[[], Any], device: torch.device) -> dict[str, int]:
     syncs = sum(1 for e in events if e.name in SYNC_OPS) + calls[0]
     # launches: ops that do work themselves, i.e. no aten op below them (views count too: cheap on a GPU, but free
     # of launches only when they do not copy; an upper bound on launches either way)
-    leaves = sum(1 for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children))
-    return {"aten_ops": len(events), "leaf_ops": leaves, "syncs": syncs}
+    leaves = [e for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children)]
+    # kernel launches on a GPU, about: ops at the bottom of the call tree that compute (not views or allocations)
+    launches = sum(1 for e in leaves if e.name not in METADATA_OPS)
+    return {"aten_ops": len(events), "launches": launches, "syncs": syncs}
 
 
 def digest(mask) -> str:

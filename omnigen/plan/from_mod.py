@@ -2,7 +2,7 @@
 
 The mod is called on index tensors that broadcast against each other -- b [n, 1, 1], q_idx [1, rows, 1],
 kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles, `ruleless.slab_elements` pairs, in
-calls of at most EVAL_ELEMENTS pairs), never on an S x S grid; each slab is evaluated once for every tile shape,
+calls of at most EVAL_ELEMENTS pairs, fewer on a CPU), never on an S x S grid; each slab is evaluated once for every tile shape,
 classified exactly and its partial tiles packed to bits (`omnigen.plan.ruleless.classify_shapes`). A mod
 written for FlexAttention works unchanged when it uses tensor operations (FlexAttention vmaps it over scalars;
 here it sees whole blocks), which is what `create_block_mask` needs too.
@@ -21,11 +21,14 @@ import torch
 from ..errors import InputError, type_name
 from .masks import Mask
 from .planners import _check_device
-from .ruleless import SLAB_ELEMENTS, check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
+from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
 
-# Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements): a whole
-# slab on a CPU (one call, its result the slab), a quarter of one on a GPU (large launches, temporaries ~128 MiB).
-EVAL_ELEMENTS = SLAB_ELEMENTS
+# Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements): on a
+# GPU a quarter of a slab (large launches, temporaries ~128 MiB each); on a CPU few enough that the temporaries stay in
+# cache (8 MiB each: a mod over 2^24 pairs a call ran ~2x slower than over 2^20, measured on catalogue masks).
+EVAL_ELEMENTS = 1 << 24
+CPU_EVAL_ELEMENTS = 1 << 20
+
 # Positions per axis of the sample that checks the mod against two heads.
 HEAD_SAMPLE = 96
 
@@ -139,11 +142,12 @@ def mask_from_mod(
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         b = batches[b0:b1, None, None]
         keys = torch.arange(S, device=device)[None, None, :]
-        rows = max(1, EVAL_ELEMENTS // ((b1 - b0) * S))
+        budget = CPU_EVAL_ELEMENTS if device.type == "cpu" else EVAL_ELEMENTS
+        rows = max(1, budget // ((b1 - b0) * S))
         if rows >= r1 - r0:  # one call: its result is the slab (no copy)
             return mod(b, torch.arange(r0, r1, device=device)[None, :, None], keys)
         out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
-        width = max(1, EVAL_ELEMENTS // (b1 - b0))  # keys per call when even one row is too many
+        width = max(1, budget // (b1 - b0))  # keys per call when even one row is too many
         for q0 in range(r0, r1, rows):
             q = torch.arange(q0, min(r1, q0 + rows), device=device)[None, :, None]
             for c0 in range(0, S, width):
