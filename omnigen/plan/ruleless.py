@@ -204,10 +204,11 @@ def _shape_groups(S: int, shapes: list[tuple[int, int]], budget: int) -> list[li
 
 def positions_of(flags: torch.Tensor, count: int) -> torch.Tensor:
     """int64 [count]: the True positions of a flat bool tensor holding `count` of them, without the host wait of
-    nonzero (the count is known)."""
-    if hasattr(torch, "nonzero_static"):
+    nonzero (the count is known), where this torch has nonzero_static for the device."""
+    try:
         return torch.nonzero_static(flags, size=count).squeeze(1)
-    return flags.nonzero().squeeze(1)
+    except (AttributeError, NotImplementedError, RuntimeError):  # older torch, or no kernel for this device
+        return flags.nonzero().squeeze(1)
 
 
 def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> list[ShapePlan]:
