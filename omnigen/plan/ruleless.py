@@ -16,7 +16,8 @@ mask made from data has no predicate the kernels could evaluate, so for it:
    exactly the number of partial tiles (`partial_bits="exact"`; the mask's tensors then have sizes that depend on the
    mask, as a mask made from exact plans does); `partial_bits=N` reserves N slots (fixed shapes for CUDA graphs and
    `torch.compile`: N >= the partial tiles, else a ValueError naming the count), `"all"` one per tile. So a kernel that
-   reads bits (`PARTIAL_BITS`: the sm90 forward and the Hopper backward) finds every partial entry's slot below the
+   reads bits (`PARTIAL_BITS`: the sm90 forward and the Hopper backward; the sm80 family's forward, dK/dV and dQ
+   kernels in the module of these rules) finds every partial entry's slot below the
    capacity (`slot < partial_slots`) and never takes its evaluating branch. The bits are made on every device (the
    rules-based `make_mask` makes them only where a Hopper kernel reads them): the CPU path and the sm80 family have
    no other way to know a partial tile.
@@ -30,7 +31,7 @@ mask made from data has no predicate the kernels could evaluate, so for it:
    reference), never attention to a key the mask hides. Full and causal tiles do not read the tables.
 
 What the op layer needs to add (omnigen/op, not edited here): refuse a ruleless mask on a module whose
-`capabilities(module).partial_bits` is False (sm80 today, sm90 built with `HopperOptions(partial_bits=False)`), with
+`capabilities(module).partial_bits` is False (sm90 built with `HopperOptions(partial_bits=False)`), with
 a message saying so; the CPU path's masker must read a partial span's tiles from the bits (`tile_bits.unpack` of the
 span's slots, `bits.slot_starts` finds them) when `is_ruleless(rules)`; `omnigen.plan(rules, mask)` should refuse a
 ruleless mask (its layout is the all-pad stand-in) and point at `mask.plan(block_m, block_n)`.
