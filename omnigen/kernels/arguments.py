@@ -135,6 +135,11 @@ def _table(name: str, comment: str, ctype: str = "const int32_t*", **kw: Any) ->
     return Field(name, ctype, comment, align=4, **kw)
 
 
+_QKV = (
+    _tensor("q", "const void*", "[batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous"),
+    _tensor("k", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
+    _tensor("v", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
+)
 _SIZES = (Field("batch", "int"), Field("heads_q", "int"), Field("heads_kv", "int"), Field("seq_len", "int"))
 _TOKENS = (
     _table("token_segment", "LayoutTables.token_segment [batch, seq_len]"),
@@ -152,9 +157,7 @@ FORWARD = LaunchStruct(
     name="ForwardArgs", function="forward", launch="forward_launch",
     comment="What one forward launch reads and writes.",
     members=(
-        _tensor("q", "const void*", "[batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous"),
-        _tensor("k", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
-        _tensor("v", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
+        *_QKV,
         _tensor("o", "void*", "[batch, heads_q, seq_len, head_dim]"),
         _tensor("lse", "float*", "[batch, heads_q, seq_len], float32, contiguous", align=4),
         Strides("q"), Strides("k"), Strides("v"), Strides("o"),
@@ -176,9 +179,7 @@ BACKWARD = LaunchStruct(
     name="BackwardArgs", function="backward", launch="backward_launch",
     comment="What one backward launch (the dK/dV kernel, and the dQ kernel where separate) reads and writes.",
     members=(
-        _tensor("q", "const void*", "[batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous"),
-        _tensor("k", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
-        _tensor("v", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
+        *_QKV,
         _tensor("d_o", "const void*", "upstream gradient of the output, [batch, heads_q, seq_len, head_dim]"),
         _tensor("lse", "const float*", "the forward's log-sum-exp, [batch, heads_q, seq_len], float32, contiguous",
                 align=4),
