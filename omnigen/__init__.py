@@ -22,7 +22,7 @@ if _typing.TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .plan.from_dense import mask_from_dense
     from .plan.from_intervals import mask_from_intervals
     from .plan.from_mod import mask_from_mod
-    from .plan.reorder import reorder
+    from .plan.reorder import Reordering, TokenOrder, reorder
     from .rules import Modality, Rules, RulesError
     from .targets import KernelConfig, KernelSpec, TileConfig
 
@@ -37,6 +37,7 @@ _LAZY = {
     **dict.fromkeys(("Kernel", "attention", "build", "mask"), "op"),  # `mask` the function, not a submodule
     # masks no rule says (omnigen.plan.ruleless): the same Mask, partial tiles from bits only
     **dict.fromkeys(("mask_from_dense", "mask_from_intervals", "mask_from_mod", "reorder"), "op"),  # op: the kernels' tiles
+    **dict.fromkeys(("Reordering", "TokenOrder"), "plan.reorder"),  # what reorder returns; a model's batch order
 }
 
 
@@ -82,6 +83,6 @@ __all__ = [
     "CAUSAL", "EMPTY", "FULL", "PARTIAL",
     "InputError", "Kernel", "KernelConfig", "KernelSpec", "attention", "build", "Layout", "LayoutBatch", "Mask",
     "Modality", "PaddingReport", "Plan", "PlanMemoryError", "Rules", "RulesError", "mask",
-    "mask_from_dense", "mask_from_intervals", "mask_from_mod", "reorder",
+    "mask_from_dense", "mask_from_intervals", "mask_from_mod", "reorder", "Reordering", "TokenOrder",
     "Segment", "TileConfig", "plan",
 ]

@@ -6,7 +6,9 @@ interleaved audio/video frames with windows) lowers the visited tiles and its ma
 compact masks are declined (and, at S = 8192 with the default cost model, the masks of scripts/bench_reorder.py
 are judged as the issue asks: the fragmented ones win >= 1.3x, gathers counted); attention through a reordered mask equals
 the unreordered call and a float64 reference, forward and backward; the segment grouping of rules layouts is exact
-(hypothesis); clear errors.
+(hypothesis); clear errors. A tiny 2-layer model (embeddings, attention with RoPE on position ids, MLP, logits) gives
+the same loss and gradients run in token order with the original mask and in the permuted order with
+`Reordering.token_order()`'s mask (no gathers), its inputs permuted once.
 """
 
 from __future__ import annotations
@@ -497,6 +499,210 @@ def test_accepted_permutations_are_exact_on_random_block_masks(blocks, seed):
             assert torch.equal(result.mask.plan(*shape).kinds, want.plan(*shape).kinds)
         original = omnigen.mask_from_dense(dense, tiles=[(16, 16)])
         assert _visited(result.mask, (16, 16)) < _visited(original, (16, 16))
+
+
+# ---- permuting the tokens once for the whole model (Reordering.token_order) ----------------------------------
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, S, H, D] at `positions` ([S] or [B, S]): a token's phase comes from its position
+    id, not from where it sits in the tensor, which is why positions must travel with the tokens."""
+    half = x.shape[-1] // 2
+    freqs = 10000.0 ** (-torch.arange(half, dtype=x.dtype) / half)
+    angle = positions.to(x.dtype)[..., :, None, None] * freqs  # [..., S, 1, half]
+    cos, sin = angle.cos(), angle.sin()
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+class _TinyModel(torch.nn.Module):
+    """Token and modality embeddings -> 2 x (attention with RoPE on position ids -> MLP) -> logits. Every part but
+    attention is token-wise, which is what makes permuting the tokens once for the whole model exact."""
+
+    def __init__(self, vocab: int = 24, modalities: int = 2, width: int = 32, heads: int = 2, layers: int = 2):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.modality = torch.nn.Embedding(modalities, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm1": torch.nn.LayerNorm(width), "qkv": torch.nn.Linear(width, 3 * width),
+            "out": torch.nn.Linear(width, width), "norm2": torch.nn.LayerNorm(width),
+            "mlp": torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * width, width))}) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        self.double()
+
+    def forward(self, tokens, modality_ids, positions, mask) -> torch.Tensor:
+        x = self.embed(tokens) + self.modality(modality_ids)
+        B, S, width = x.shape
+        for block in self.blocks:
+            q, k, v = block["qkv"](block["norm1"](x)).view(B, S, 3, self.heads, width // self.heads).unbind(2)
+            q, k = _rope(q, positions), _rope(k, positions)
+            a = omnigen.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+            x = x + block["out"](a.transpose(1, 2).reshape(B, S, width))
+            x = x + block["mlp"](block["norm2"](x))
+        return self.head(x)
+
+
+def _loss_and_grads(model, tokens, modality_ids, positions, labels, mask):
+    model.zero_grad()
+    logits = model(tokens, modality_ids, positions, mask)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100)
+    loss.backward()
+    return loss.detach(), logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _batch(B: int, S: int, modality_ids: torch.Tensor, seed: int = 0):
+    """Token ids, and next-token labels made in token order (the shift is a token-order operation, so it happens
+    before permuting), with the loss masked (-100) on the first modality's tokens and the last position."""
+    tokens = torch.randint(0, 24, (B, S), generator=torch.Generator().manual_seed(seed))
+    labels = torch.cat([tokens[:, 1:], torch.full((B, 1), -100)], 1)
+    labels = labels.masked_fill(modality_ids == 0, -100)
+    return tokens, labels
+
+
+def _model_case(name: str):
+    """(mask in token order, reordering, modality ids [B, S]) for the model tests."""
+    if name == "medusa":  # interleaved trees sharing a prompt, one [S, S] mask over a batch of 2: one permutation
+        dense = _interleaved_forest(prompt=32, trees=8, width=3, depth=3)
+        mask = omnigen.mask_from_dense(dense, batch=2, tiles=TILES)
+        S = dense.shape[0]
+        modality = (torch.arange(S) >= 32).long().expand(2, S)  # prompt 0, tree nodes 1
+    elif name == "frames":  # interleaved audio/video frames of other sizes per batch element: [B, S] permutations
+        S = 384
+        dense = torch.stack([_frames(S, 24, 100)[1], _frames(S, 32, 100)[1]])
+        mask = omnigen.mask_from_dense(dense, tiles=TILES)
+        modality = torch.stack([(torch.arange(S) // frame) % 2 for frame in (24, 32)])
+    else:  # a rules layout regrouped by whole segments (a rules mask, not one made from data)
+        layout = _av_layout(6, 12, 20)
+        mask = omnigen.mask(AV_RULES, omnigen.LayoutBatch([layout, layout]), device="cpu", tiles=TILES)
+        ids = {"text": 0, "audio": 1, "video": 1}
+        modality = torch.cat([torch.full((n,), ids[m]) for m, n, *_ in layout.segments]).expand(2, -1)
+    found = omnigen.reorder(mask, costs=CHEAP, method="segments" if name == "segments" else "auto")
+    assert found, found
+    return mask, found, modality
+
+
+@pytest.mark.parametrize("name", ["medusa", "frames", "segments"])
+def test_a_model_gives_the_same_loss_and_gradients_in_the_permuted_order(name):
+    if name != "segments" and not _ruleless_runs_on_cpu():
+        pytest.skip("masks made from data do not run on the CPU path yet (op/cpu.py)")
+    mask, found, modality = _model_case(name)
+    order = found.token_order()
+    B, S = modality.shape
+    assert order.permutation.shape == ((B, S) if name == "frames" else (S,))  # frames: two different masks
+    tokens, labels = _batch(B, S, modality)
+    model = _TinyModel()
+    loss, logits, grads = _loss_and_grads(model, tokens, modality, torch.arange(S), labels, mask)
+
+    # the whole batch permuted once: tokens, modality ids, position ids and labels travel together
+    p_tokens, p_modality, p_labels = (order.permute(t) for t in (tokens, modality, labels))
+    p_loss, p_logits, p_grads = _loss_and_grads(model, p_tokens, p_modality, order.positions(), p_labels, order.mask)
+    torch.testing.assert_close(p_loss, loss, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(order.unpermute(p_logits), logits, atol=1e-9, rtol=1e-9)
+    for got, want in zip(p_grads, grads):
+        # (the CPU path keeps the log-sum-exp in float32, as the kernels do, and the two orders round differently)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+    # ...and the comparison can tell: positions left in token order, or the mask of the other order, change it
+    stale, _, _ = _loss_and_grads(model, p_tokens, p_modality, torch.arange(S), p_labels, order.mask)
+    assert not torch.allclose(stale, loss, atol=1e-4, rtol=0)
+    wrong_mask, _, _ = _loss_and_grads(model, p_tokens, p_modality, order.positions(), p_labels, mask)
+    assert not torch.allclose(wrong_mask, loss, atol=1e-4, rtol=0)
+
+
+def test_the_permuted_order_mask_runs_without_gathers(monkeypatch):
+    if not _ruleless_runs_on_cpu():
+        pytest.skip("masks made from data do not run on the CPU path yet (op/cpu.py)")
+    from omnigen.op import permute
+
+    mask, found, _ = _model_case("frames")
+    order = found.token_order()
+    q, k, v, _ = _inputs(2, 2, 2, mask.seq_len)
+    per_call = omnigen.attention(q, k, v, found.mask)  # gathers into the mask's order and back
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gathered")
+
+    monkeypatch.setattr(permute, "into_mask_order", refuse)
+    with pytest.raises(AssertionError, match="gathered"):  # the patch is where the per-call path goes
+        omnigen.attention(q, k, v, found.mask)
+    in_order = omnigen.attention(*(order.permute(t, dim=2) for t in (q, k, v)), order.mask)
+    torch.testing.assert_close(order.unpermute(in_order, dim=2), per_call, atol=1e-12, rtol=1e-12)
+    # the same plan and bits as the per-call mask (shared, not copied), without its permutation
+    assert order.mask.permutation is None and order.mask.inverse_permutation is None
+    assert all(a is b for a, b in zip(order.mask.schedules, found.mask.schedules))
+    assert found.mask.permutation is found.permutation  # the per-call mask keeps gathering
+
+
+def test_the_masks_say_which_order_they_want():
+    _, found, _ = _model_case("medusa")
+    order = found.token_order()
+    assert "order=permuted by omnigen.reorder" in repr(order.mask) and "no gathers" in repr(order.mask)
+    assert "order=token order" in repr(found.mask) and "gathers" in repr(found.mask)
+    assert isinstance(order.mask, omnigen.Mask) and isinstance(order, omnigen.TokenOrder)
+    assert "permuted" not in repr(omnigen.mask_from_dense(_documents(64, 16), tiles=TILES))
+
+
+def test_permute_and_unpermute_in_both_index_forms():
+    _, found, _ = _model_case("frames")
+    per_batch = found.token_order()
+    shared = omnigen.reorder(_frames(384, 24, 100)[1], tiles=TILES, costs=CHEAP).token_order()
+    gen = torch.Generator().manual_seed(5)
+    for order in (shared, per_batch):
+        index = order.permutation
+        x = torch.randn(2, 384, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+        y = order.permute(x)
+        want = x[:, index] if index.dim() == 1 else torch.stack([x[b, index[b]] for b in range(2)])
+        assert torch.equal(y, want)
+        assert torch.equal(order.unpermute(y), x)
+        assert torch.equal(order.permute(x.transpose(1, 2), dim=-1), want.transpose(1, 2))
+        # the backward is the gather by the inverse: each token's gradient lands where the token came from
+        weight = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+        (grad,) = torch.autograd.grad((y * weight).sum(), x)
+        assert torch.equal(grad, order.unpermute(weight))
+        assert torch.autograd.gradcheck(lambda t: order.permute(t), (x[:, :, :1].detach().requires_grad_(),))
+        # integer tensors (ids, labels) and the default positions
+        ids = torch.arange(384).expand(2, -1)
+        assert torch.equal(order.permute(ids), order.positions().expand(2, -1))
+    assert torch.equal(shared.permute(torch.arange(384), dim=0), shared.positions())
+
+
+def test_a_declined_reordering_gives_the_identity_order():
+    mask = omnigen.mask_from_dense(_documents(128, 32), tiles=TILES)
+    declined = omnigen.reorder(mask, costs=CHEAP)
+    assert not declined
+    order = declined.token_order()
+    assert order.identity and order.permutation is None and order.mask is mask
+    x = torch.randn(1, 128, 4)
+    assert order.permute(x) is x and order.unpermute(x) is x
+    assert torch.equal(order.positions(), torch.arange(128))
+    with pytest.raises(omnigen.InputError, match="S=128"):  # checked even when nothing moves
+        order.permute(torch.randn(1, 100, 4))
+
+
+def test_token_order_errors_are_clear():
+    _, found, _ = _model_case("frames")
+    order = found.token_order()  # [2, 384]: one permutation per batch element
+    with pytest.raises(omnigen.InputError, match="takes a tensor"):
+        order.permute([1, 2, 3])
+    with pytest.raises(omnigen.InputError, match="dim=3 is not a dimension"):
+        order.permute(torch.zeros(2, 384), dim=3)
+    with pytest.raises(omnigen.InputError, match="dim must be an int"):
+        order.permute(torch.zeros(2, 384), dim="seq")
+    with pytest.raises(omnigen.InputError, match="has 383 entries, but this order is over S=384"):
+        order.unpermute(torch.zeros(2, 383, 4))
+    with pytest.raises(omnigen.InputError, match="one permutation per batch element"):
+        order.permute(torch.zeros(384), dim=0)
+    with pytest.raises(omnigen.InputError, match="batch of 2 in dim 0"):
+        order.permute(torch.zeros(3, 384))
+    with pytest.raises(omnigen.InputError, match="already reordered"):
+        omnigen.reorder(order.mask)
 
 
 # ---- errors --------------------------------------------------------------------------------------------------

@@ -1,23 +1,25 @@
-"""A reordered mask's call (omnigen.reorder, plan/reorder.py): gather q, k, v into the mask's token order, run the
-kernels there, scatter the output (and the log-sum-exp) back.
+"""A reordered mask's per-call path (omnigen.reorder, plan/reorder.py): gather q, k, v into the mask's token order,
+run the kernels there, gather the output (and the log-sum-exp) back.
 
 Why the permutation travels in the Mask rather than as an argument of `attention`: a reordered mask's plan is the
 permuted sequence's, so running it on tensors in the original order would be a silently wrong answer; carrying the
 permutation makes that call impossible, and one object per batch serves every layer's call (no host sync, the same
 under torch.compile and CUDA graphs: the permutation is a tensor the mask holds, the gathers are plain torch ops).
 
-The gathers are `index_select` / `gather` along the sequence. A call's gathers go through `_Permute`, whose backward
-is the gather by the inverse permutation: autograd's own backward of a gather is a zero-filled tensor plus an
-atomic add of every row (right for any index, but a third pass over memory and atomics on bf16), and for a
-permutation the gather by the inverse gives the same rows with one read and one write, which is what
-`ReorderCosts.gathers` prices. They work on the [B, S, H, D] view of each tensor: a model's q, k, v are usually that
-layout transposed, so each token's heads are one contiguous row to move, and the result has the layout the kernels
-and the op's outputs use (heads inner).
+This path costs eight gathers per forward + backward (q, k, v, out; dOut, dQ, dK, dV: 1.77 ms of a 5 ms call at
+4 x 16 x 8192 x 128 bf16 on an H100, benchmarks/RESULTS.md). A model that controls its inputs avoids all of them by
+permuting its tokens once per batch (`Reordering.token_order()`, whose mask carries no permutation, so this module
+is never reached). The gathers themselves (`take_tokens`, and `permute_tokens` whose backward is the gather by the
+inverse) live with the permutation in plan/reorder.py, shared by both ways; here they work on the [B, S, H, D] view
+of each [B, H, S, D] tensor (dim 2), so each token's heads are one contiguous row to move and the result has the
+heads-inner layout the kernels and the op's outputs use.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..plan.reorder import permute_tokens, take_tokens
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,33 +27,8 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | 
     element with index [B, S]. With `inverse` (the inverse permutation of `index`, same shape) the backward is the
     gather by `inverse`; without, autograd's general backward of a gather (any index, repeats allowed)."""
     if inverse is not None:
-        return _Permute.apply(x, index, inverse)
-    return _gather_tokens(x, index)
-
-
-def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    if index.dim() == 1:
-        return x.transpose(1, 2).index_select(1, index).transpose(1, 2)
-    # Per batch element: advanced indexing on dims 0 and 2 moves whole rows of the last dim (each token's head is
-    # D contiguous elements) into a [B, S, H, ...] result, which is the heads-inner layout once transposed back.
-    # Same speed as torch.gather over an expanded index on an H100 (both ~1.2 TB/s), 2x faster on a CPU.
-    batch = torch.arange(x.shape[0], device=x.device)[:, None]
-    return x[batch, :, index].transpose(1, 2)
-
-
-class _Permute(torch.autograd.Function):
-    """A gather by a permutation whose backward is the gather by its inverse (one pass, no atomics)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index, inverse)
-        return _gather_tokens(x, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        index, inverse = ctx.saved_tensors
-        # Through _Permute again, so that a double backward is a gather as well.
-        return _Permute.apply(grad, inverse, index), None, None
+        return permute_tokens(x, index, inverse, 2)
+    return take_tokens(x, index, 2)
 
 
 def gather_lse(lse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

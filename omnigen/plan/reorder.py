@@ -23,6 +23,34 @@ What this module does (pure planning: tensors in, a permutation and a Mask out; 
    the mask holds, plus the gathers' memory traffic in the same unit; the original is scored from its exact plan.
 4. Builds the winner exactly (its plan, its partial tiles' bits), scores it again exactly, and returns it only
    if it beats token order on every tile shape by `min_gain`; otherwise a `Reordering` that says why it declined.
+
+Two ways to run a reordered mask:
+
+- **Per call** (`Reordering.mask`, which carries the permutation): `omnigen.attention(q, k, v, found.mask)` takes
+  q, k, v in token order, gathers them into the mask's order, and gathers out / lse / the gradients back. Nothing
+  else changes, so it suits a caller who does not control the model's input. The price is eight gathers per
+  forward + backward (q, k, v, out; dOut, dQ, dK, dV): on an H100 at 8K they took a third of the call
+  (benchmarks/RESULTS.md), more than the kernels gain on most masks.
+- **Once per batch, for the whole model** (`Reordering.token_order()`, a `TokenOrder`): a transformer is
+  token-wise everywhere but attention (embeddings, MLPs, norms, the loss), and attention with one permutation `p`
+  applied to queries and keys alike is the same attention under the permuted mask. So the data (token ids,
+  position ids, labels, loss masks, per-token modality ids) is permuted once with `order.permute(x)`, every layer
+  calls `omnigen.attention(q, k, v, order.mask)` with no gathers at all, and the loss, a sum or mean over tokens,
+  is the same number. Per-token outputs wanted in token order (logits for sampling, metrics) come back with
+  `order.unpermute(y)`. What must travel with the tokens is whatever says where a token sits: RoPE / ALiBi
+  positions (`order.positions()` for the default 0..S-1, else `order.permute(position_ids)`), labels shifted for
+  next-token prediction *before* permuting (the shift is a token-order operation), loss masks, modality ids,
+  document ids. A layer that mixes neighbouring tokens (a causal convolution, token shifting) is not token-wise
+  and must unpermute around itself.
+
+Why `TokenOrder` is its own object with its own mask rather than a flag on `attention`: the permuted-order mask
+(`PermutedMask`) holds the same plan as `found.mask` but no permutation, so `attention` cannot gather with it, and
+its repr says that its tensors must be in the permuted order; the per-call mask keeps gathering, so neither object
+can be used silently in the other's way. A declined `Reordering` gives an identity `TokenOrder` (the original
+mask, `permute` returns its input): a model may call `reorder(...).token_order()` on every batch with one code
+path. `permute` moves whole rows (the backward of a float tensor's permute is the gather by the inverse, one pass
+and no atomics); it cannot know whether a tensor is already permuted, so permute each input exactly once, where
+the batch is made.
 """
 
 from __future__ import annotations
@@ -109,9 +137,22 @@ class Reordering:
     mask: Mask | None = None
     costs: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
     candidates: dict[str, float] = field(default_factory=dict)
+    # The mask in token order that was judged (made from the mod or dense tensor when one was given): what a
+    # declined reordering's `token_order()` runs.
+    original: Mask | None = field(default=None, repr=False)
 
     def __bool__(self) -> bool:
         return self.accepted
+
+    def token_order(self) -> "TokenOrder":
+        """The permutation to apply once per batch to the whole model's inputs, with the mask in that order (no
+        gathers in any attention call); an identity `TokenOrder` over the original mask when reorder declined.
+        See the module docstring for what a model must permute alongside the tokens."""
+        if not self.accepted:
+            if self.original is None:  # pragma: no cover - reorder always records it
+                raise InputError(["this Reordering holds no mask to run: call omnigen.reorder(mask) again"])
+            return TokenOrder(None, None, self.original)
+        return TokenOrder(self.permutation, self.inverse, PermutedMask.of(self.mask))
 
     @property
     def gain(self) -> float | None:
@@ -475,8 +516,9 @@ def _source(mask_or_mod, B, S, device, tiles, head_dim, dtype) -> _Source:
         if B is not None or S is not None:
             raise InputError(["B and S come from the mask: pass omnigen.reorder(mask) alone (B and S are for a "
                               "mask_mod)"])
-        if getattr(mask_or_mod, "permutation", None) is not None:
-            raise InputError(["this mask is already reordered (it carries a permutation): reorder the original mask"])
+        if getattr(mask_or_mod, "permutation", None) is not None or isinstance(mask_or_mod, PermutedMask):
+            raise InputError(["this mask is already reordered (it carries a permutation, or it is a TokenOrder's mask "
+                              "in permuted order): reorder the original mask"])
         evaluate = _bits_evaluator(mask_or_mod) if mask_or_mod.ruleless else _rules_evaluator(mask_or_mod)
         return _Source(mask_or_mod, evaluate, mask_or_mod.device)
     if isinstance(mask_or_mod, torch.Tensor):
@@ -534,6 +576,7 @@ def _attach(mask: Mask, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     inverse = torch.empty_like(perm)
     inverse.scatter_(-1, perm, torch.arange(perm.shape[-1], device=perm.device).expand_as(perm).contiguous())
     mask.permutation, mask.inverse_permutation = perm, inverse
+    mask.__class__ = ReorderedMask  # (a Mask subclass that only names its order in its repr)
     return perm, inverse
 
 
@@ -624,7 +667,7 @@ def reorder(
             tokens = torch.stack([_tokens(p, g, S) for p in atom_perms])
             proposals[name], estimates[name] = (tokens, None, estimate), estimate[first]
 
-    result = Reordering(False, "", candidates=dict(estimates))
+    result = Reordering(False, "", candidates=dict(estimates), original=mask)
     if not proposals:
         result.reason = ("no permutation to propose: the mask's graph keeps token order (one component, and Reverse "
                          "Cuthill-McKee finds token order)" if method != "segments" else
@@ -660,5 +703,165 @@ def reorder(
     return result
 
 
-__all__ = ["Reordering", "ReorderCosts", "components", "keyset_order", "reorder", "reverse_cuthill_mckee",
-           "segment_order"]
+# ---- running a model in the mask's order ---------------------------------------------------------------------
+
+
+def take_tokens(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with its sequence dimension `dim` reordered: position i of the result is x's position index[i]. `index` [S]
+    applies to every batch element; [B, S] per batch element (dim 0 of x is the batch, `dim` >= 1).
+
+    The sequence is moved next to the batch before the gather so that each token's trailing dims are one contiguous
+    row to copy, and the result keeps the batch outermost: for q [B, H, S, D] (dim 2) this is the [B, S, H, D]
+    layout transposed, the heads-inner layout the kernels and the op's outputs use."""
+    if index.device != x.device:
+        index = index.to(x.device)
+    if index.dim() == 1:
+        if dim == 0:
+            return x.index_select(0, index)
+        return x.movedim(dim, 1).index_select(1, index).movedim(1, dim)
+    # Advanced indexing on the batch and the sequence moves whole rows (2x faster than torch.gather over an
+    # expanded index on a CPU, as fast on an H100).
+    batch = torch.arange(x.shape[0], device=x.device)[:, None]
+    return x.movedim(dim, 1)[batch, index].movedim(1, dim)
+
+
+class _Permute(torch.autograd.Function):
+    """A gather by a permutation whose backward is the gather by its inverse: autograd's own backward of a gather
+    is a zero-filled tensor plus an atomic add of every row (right for any index, repeats included), a third pass
+    over memory and atomics on bf16; for a permutation the inverse's gather gives the same rows in one pass."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.save_for_backward(index, inverse)
+        ctx.dim = dim
+        return take_tokens(x, index, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        index, inverse = ctx.saved_tensors
+        # Through _Permute again, so that a double backward is a gather as well.
+        return _Permute.apply(grad, inverse, index, ctx.dim), None, None, None
+
+
+def permute_tokens(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, dim: int) -> torch.Tensor:
+    """`take_tokens` by a permutation `index` whose inverse is `inverse`; differentiable, its backward a gather."""
+    if x.requires_grad:
+        return _Permute.apply(x, index, inverse, dim)
+    return take_tokens(x, index, dim)
+
+
+class ReorderedMask(Mask):
+    """The per-call reordered mask (`Reordering.mask`): it carries its permutation, and `omnigen.attention` gathers
+    q, k, v (given in token order) into the mask's order around every call. Only its repr differs from a Mask's."""
+
+    def __repr__(self) -> str:
+        return (super().__repr__()[:-1] + ", order=token order: omnigen.reorder's permutation applied around every "
+                "call by gathers; Reordering.token_order() avoids them)")
+
+
+class PermutedMask(Mask):
+    """A reordered mask in its own (permuted) token order, without the permutation: `omnigen.attention(q, k, v,
+    mask)` runs it as it is, with no gathers, so q, k, v must already be in the permuted order -- which they are
+    when the model's inputs were permuted by the `TokenOrder` this mask came from. The same plan, schedules and
+    bits as the per-call `Reordering.mask` (shared tensors, not copies); its repr says which order it wants."""
+
+    in_permuted_order = True
+
+    @classmethod
+    def of(cls, reordered: Mask) -> "PermutedMask":
+        """The permuted-order view of a mask that carries a permutation (`Reordering.mask`)."""
+        if reordered.permutation is None:
+            raise InputError(["PermutedMask.of takes a mask that carries a permutation (Reordering.mask)"])
+        made = cls.__new__(cls)
+        made.__dict__.update(reordered.__dict__)
+        made.permutation = None  # (instance attributes: _attach set them on `reordered`)
+        made.inverse_permutation = None
+        return made
+
+    def __repr__(self) -> str:
+        return (super().__repr__()[:-1] + ", order=permuted by omnigen.reorder: q, k, v, positions and labels must "
+                "be in this order (TokenOrder.permute); attention does no gathers)")
+
+
+def _check_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError([f"{name} must be an int (the sequence dimension), not {type_name(value)}"])
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class TokenOrder:
+    """A batch's token order for a whole model (`Reordering.token_order()`; see the module docstring).
+
+    `permutation` int64 [S] (every batch element) or [B, S] (one each): position i of the permuted sequence holds
+    original token `permutation[..., i]`; `inverse` undoes it; both None for the identity (reorder declined).
+    `mask`: the mask in the permuted order, carrying no permutation (a `PermutedMask`; for the identity, the
+    original mask): pass it to every layer's `omnigen.attention(q, k, v, order.mask)` with q, k, v computed from
+    permuted inputs. `permute(x, dim)` / `unpermute(y, dim)` move a tensor's sequence dimension into / out of that
+    order; `positions()` are the permuted tokens' default position ids."""
+
+    permutation: torch.Tensor | None
+    inverse: torch.Tensor | None
+    mask: Mask
+
+    @property
+    def identity(self) -> bool:
+        """True when tokens keep their order (reorder declined): `permute` and `unpermute` return their input."""
+        return self.permutation is None
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.mask.seq_len
+
+    def permute(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """x (token order) with dimension `dim` (its sequence, length S) in the permuted order: token ids, position
+        ids, labels, loss masks, modality ids [B, S] (dim 1), activations [B, S, d] (dim 1), or [S] ones (dim 0, when
+        every batch element has one permutation). Differentiable (backward: the inverse gather). Apply it to each
+        input exactly once: a tensor permuted twice is not detectable and is silently wrong."""
+        return self._apply(x, dim, self.permutation, self.inverse, "permute")
+
+    def unpermute(self, y: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """y (permuted order, e.g. a model's logits [B, S, V]) back in token order along `dim`."""
+        return self._apply(y, dim, self.inverse, self.permutation, "unpermute")
+
+    def positions(self) -> torch.Tensor:
+        """Position ids of the permuted tokens when the model's positions are 0..S-1 (RoPE, learned positions): the
+        permutation itself ([S] or [B, S]; arange(S) for the identity). Positions travel with the tokens, so a
+        token's rotary phase is what it was in token order. Models with other position ids (restarting per packed
+        document, say) permute theirs: `order.permute(position_ids)`."""
+        if self.permutation is None:
+            return torch.arange(self.seq_len, device=self.mask.device)
+        return self.permutation
+
+    def _apply(self, x: torch.Tensor, dim: int, index: torch.Tensor | None, inverse: torch.Tensor | None,
+               verb: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise InputError([f"TokenOrder.{verb} takes a tensor with a sequence dimension, not {type_name(x)}"])
+        dim = _check_int(dim, "dim")
+        if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+            raise InputError([f"dim={dim} is not a dimension of the tensor of shape {tuple(x.shape)}: pass the "
+                              f"sequence dimension (dim=1 for [B, S, ...], dim=0 for [S])"])
+        dim %= x.dim()
+        S = self.seq_len
+        if x.shape[dim] != S:
+            raise InputError([f"TokenOrder.{verb}: dimension {dim} of the tensor of shape {tuple(x.shape)} has "
+                              f"{x.shape[dim]} entries, but this order is over S={S} tokens: pass the sequence "
+                              f"dimension as dim"])
+        if index is None:
+            return x
+        if index.dim() == 2:
+            B = index.shape[0]
+            if dim == 0 or x.shape[0] != B:
+                raise InputError([f"TokenOrder.{verb}: this order has one permutation per batch element ([{B}, {S}]), "
+                                  f"so the tensor needs its batch of {B} in dim 0 and its sequence in dim >= 1; got "
+                                  f"shape {tuple(x.shape)} with dim={dim} (expand a shared [S] tensor to [{B}, {S}] "
+                                  "first)"])
+        return permute_tokens(x, index, inverse, dim)
+
+
+__all__ = ["PermutedMask", "ReorderedMask", "Reordering", "ReorderCosts", "TokenOrder", "components",
+           "keyset_order", "permute_tokens", "reorder", "reverse_cuthill_mckee", "segment_order", "take_tokens"]
