@@ -11,15 +11,27 @@ Three masks, as FlexAttention-style mask_mods made into omnigen masks on the GPU
   and its own earlier frames within a window of token positions, nothing of the other.
 
 For each mask and S (B * S = --tokens) it reports the reorder decision and the model's estimate, the visited tiles
-per kind of both plans, and the median milliseconds of forward + backward of the plain call, of the reordered call
-(its 8 gathers / scatters included: q, k, v, out; dOut, dQ, dK, dV) and of those gathers alone. The reordered call is
-timed even when reorder declines (its best proposal, `ReorderCosts(min_gain=0)`), so the numbers calibrate the cost
-model's constants (omnigen.plan.reorder.ReorderCosts). Both calls run in the same process, interleaved round-robin.
+per kind of both plans, and the median milliseconds of forward + backward of
 
-Issue 29 asks for >= 1.3x on the fragmented masks (medusa_interleaved, frames) at 8K and 32K:
+- `plain`: the call in token order with the original mask;
+- `reordered`: the per-call way, `omnigen.attention(q, k, v, found.mask)` with its 8 gathers (q, k, v, out; dOut,
+  dQ, dK, dV), and `gathers`: those 8 alone;
+- `permuted`: the permute-once way (`found.token_order()`): q, k, v and dOut already in the mask's order (a model
+  whose inputs were permuted once per batch computes them there), `order.mask`, no gathers at all;
+- `permute_once`: what the permute-once way pays per training step instead: one permutation of a [B, S, d_model]
+  activation, forward and backward (`--d-model`, default heads x dim). A model permutes its token ids, positions and
+  labels (integers, negligible) or one activation once per step, however many layers it has, so the per-layer
+  figure is `permuted + permute_once / L`, reported for each L of `--layers` (L = 1 is the worst case: a
+  single attention layer pays the whole permutation).
+
+The reordered calls are timed even when reorder declines (its best proposal, `ReorderCosts(min_gain=0)`), so the
+numbers calibrate the cost model's constants (omnigen.plan.reorder.ReorderCosts). All run in the same process,
+interleaved round-robin.
+
+Issue 29 asks for >= 1.3x on the fragmented masks (medusa_interleaved, frames) at 8K and 32K, gathers counted:
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 scripts/bench_reorder.py --sizes 8192 32768 --dim 128 \\
-        --out benchmarks/reorder.json
+        --layers 1 12 --out benchmarks/reorder.json
 """
 
 from __future__ import annotations
@@ -174,15 +186,43 @@ def run_one(name: str, S: int, args) -> dict:
         for t in big + small:
             gather_tokens(t, index)
 
+    # The permute-once way: the same q, k, v, dOut moved into the mask's order before timing (a model computes them
+    # there from inputs permuted once per batch), run with the mask that carries no permutation.
+    order = forced.token_order()
+    qp, kp, vp = (order.permute(t.detach(), dim=2).requires_grad_() for t in (q, k, v))
+    d_out_p = order.permute(d_out, dim=2)
+
+    def permuted():
+        out = omnigen.attention(qp, kp, vp, order.mask)
+        torch.autograd.grad(out, (qp, kp, vp), d_out_p)
+
+    d_model = args.d_model or args.heads * args.dim
+    activation = torch.randn(B, S, d_model, device=device, dtype=dtype, requires_grad=True)
+    d_activation = torch.randn(B, S, d_model, device=device, dtype=dtype)
+
+    def permute_once():  # one [B, S, d_model] activation into the mask's order: its forward and its backward
+        torch.autograd.grad(order.permute(activation), activation, d_activation)
+
     with torch.no_grad():
         plain_out = omnigen.attention(q, k, v, mask)
         reordered_out = omnigen.attention(q, k, v, forced.mask)
+        permuted_out = order.unpermute(omnigen.attention(qp, kp, vp, order.mask), dim=2)
     row["max_abs_difference"] = float((plain_out.float() - reordered_out.float()).abs().max())
-    ms = median_ms({"plain": step(mask), "reordered": step(forced.mask), "gathers": gathers}, args.rounds, args.reps)
+    row["max_abs_difference_permuted"] = float((plain_out.float() - permuted_out.float()).abs().max())
+    ms = median_ms({"plain": step(mask), "reordered": step(forced.mask), "gathers": gathers, "permuted": permuted,
+                    "permute_once": permute_once}, args.rounds, args.reps)
     row.update({f"{key}_ms": round(value, 4) for key, value in ms.items()})
+    row["d_model"] = d_model
     row["measured_speedup"] = round(ms["plain"] / ms["reordered"], 3)
-    print(f"  plain {ms['plain']:.3f} ms, reordered {ms['reordered']:.3f} ms (gathers {ms['gathers']:.3f} ms): "
+    row["permuted_speedup"] = round(ms["plain"] / ms["permuted"], 3)  # the kernels' gain alone
+    # per attention layer of an L-layer model that permutes once per step
+    row["model_speedup"] = {str(L): round(ms["plain"] / (ms["permuted"] + ms["permute_once"] / L), 3)
+                            for L in args.layers}
+    per_layer = ", ".join(f"L={L}: {x:.2f}x" for L, x in row["model_speedup"].items())
+    print(f"  plain {ms['plain']:.3f} ms; per-call gathers {ms['reordered']:.3f} ms (gathers {ms['gathers']:.3f} ms): "
           f"{row['measured_speedup']:.2f}x measured, {forced.gain:.2f}x estimated", flush=True)
+    print(f"  permute once: attention {ms['permuted']:.3f} ms ({row['permuted_speedup']:.2f}x), one [B, S, {d_model}] "
+          f"permutation fwd+bwd {ms['permute_once']:.3f} ms per step; per layer {per_layer}", flush=True)
     return row
 
 
@@ -195,10 +235,16 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--granularity", type=int, default=None, help="tokens per atom of reorder's graph")
+    parser.add_argument("--layers", nargs="+", type=int, default=[1, 12],
+                        help="attention layers a model's one permutation per step is divided over (permute-once)")
+    parser.add_argument("--d-model", type=int, default=None,
+                        help="width of the activation permuted once per step (default heads x dim)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    if any(L < 1 for L in args.layers):
+        parser.error("--layers takes positive layer counts")
     if not torch.cuda.is_available():
         raise SystemExit("bench_reorder needs a CUDA GPU")
     rows = [run_one(name, S, args) for name in args.masks for S in args.sizes]
