@@ -152,15 +152,20 @@ def run_one(name: str, S: int, args) -> dict:
     decision = omnigen.reorder(mask, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.dim, dtype=dtype,
                                granularity=args.granularity)
     took = time.perf_counter() - took
+    # The decision when the model permutes once per step (gathers priced per step over the most layers asked for).
+    once = omnigen.reorder(mask, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.dim, dtype=dtype,
+                           granularity=args.granularity, layers=max(args.layers))
     forced = decision if decision else omnigen.reorder(
         mask, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.dim, dtype=dtype, granularity=args.granularity,
         costs=ReorderCosts(min_gain=0.0))
     row = {"mask": name, "S": S, "B": B, "heads": args.heads, "kv_heads": args.kv_heads or args.heads, "dim": args.dim,
            "accepted": bool(decision), "reason": decision.reason, "method": forced.method,
+           "accepted_permute_once": bool(once), "permute_once_reason": once.reason,
            "estimated_gain": forced.gain, "costs": {f"{m}x{n}": c for (m, n), c in forced.costs.items()},
            "mask_s": round(made, 3), "reorder_s": round(took, 3), "plain_tiles": counts(mask),
            "reordered_tiles": counts(forced.mask) if forced.mask is not None else None}
-    print(f"{name} S={S} B={B}: {decision!r} (mask {made:.2f} s, reorder {took:.2f} s)", flush=True)
+    print(f"{name} S={S} B={B}: {decision!r} (mask {made:.2f} s, reorder {took:.2f} s); permuting once for "
+          f"{max(args.layers)} layers: {once!r}", flush=True)
     if forced.mask is None:
         return row
     gen = torch.Generator(device=device).manual_seed(0)

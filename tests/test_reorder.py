@@ -686,6 +686,20 @@ def test_a_declined_reordering_gives_the_identity_order():
         order.permute(torch.randn(1, 100, 4))
 
 
+def test_permuting_once_per_model_prices_the_gathers_per_step():
+    # Per call, eight gathers outweigh the tiles saved at this S and reorder declines; a 12-layer model that permutes
+    # once per step pays one activation's permutation (forward and backward) over 12 calls, and the plan wins.
+    dense = _shuffled(_documents(384, 48))
+    per_call = omnigen.reorder(dense, tiles=TILES)
+    once = omnigen.reorder(dense, tiles=TILES, layers=12)
+    assert not per_call and once, (per_call, once)
+    assert 0 < once.costs[TILES[0]][2] < per_call.costs[TILES[0]][2] / 12
+    one_layer = omnigen.reorder(dense, tiles=TILES, layers=1)
+    assert once.costs[TILES[0]][2] == pytest.approx(one_layer.costs[TILES[0]][2] / 12)
+    with pytest.raises(omnigen.InputError, match="layers must be None"):
+        omnigen.reorder(dense, tiles=TILES, layers=0)
+
+
 def test_token_order_errors_are_clear():
     _, found, _ = _model_case("frames")
     order = found.token_order()  # [2, 384]: one permutation per batch element

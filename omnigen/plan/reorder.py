@@ -83,6 +83,9 @@ HUB_FRACTION = 0.9
 METHODS = ("auto", "rcm", "components", "keysets", "segments")
 # Gathers and scatters a forward + backward with a reordered mask runs: q, k, v, out; dOut, dQ, dK, dV.
 GATHERS_PER_STEP = 8
+# Gathers a model that permutes its tokens once per step runs (TokenOrder): one activation of about q's size
+# forward and its gradient backward, shared by all its attention layers (ids, positions, labels are integers).
+GATHERS_PER_MODEL_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,19 @@ class ReorderCosts:
         return self.full * counts["full"] + self.causal * counts["causal"] + self.partial * counts["partial"]
 
     def gathers(self, B: int, S: int, block_m: int, block_n: int, heads: int, kv_heads: int, head_dim: int,
-                element_size: int) -> float:
-        """The gathers and scatters of one forward + backward in full tiles of one head: every token's q, out, dOut,
-        dQ (heads) and k, v, dK, dV (kv heads) read and written once, plus the launches."""
+                element_size: int, layers: int | None = None) -> float:
+        """The gathers and scatters of one forward + backward in full tiles of one head. Per call (`layers` None):
+        every token's q, out, dOut, dQ (heads) and k, v, dK, dV (kv heads) read and written once, plus the launches.
+        Permuted once per step for a model of `layers` attention layers: one q-sized activation and its gradient,
+        divided over the layers."""
         tile_flops = 3.5 * 4 * block_m * block_n * head_dim
-        per_head_bytes = B * S * head_dim * element_size * 2 * (4 + 4 * kv_heads / heads)
+        if layers is None:
+            tensors, launched = 4 + 4 * kv_heads / heads, GATHERS_PER_STEP
+        else:
+            tensors = launched = GATHERS_PER_MODEL_STEP / layers
+        per_head_bytes = B * S * head_dim * element_size * 2 * tensors
         traffic = per_head_bytes * self.flop_per_byte / tile_flops
-        launches = GATHERS_PER_STEP * self.launch_us * 1e-6 * self.tflops * 1e12 / (tile_flops * heads)
+        launches = launched * self.launch_us * 1e-6 * self.tflops * 1e12 / (tile_flops * heads)
         return traffic + launches
 
 
@@ -126,7 +135,8 @@ class Reordering:
     `permutation`: int64 [S] (every batch element the same) or [B, S]: position i of the reordered sequence holds
     the original token `permutation[..., i]`; `inverse` undoes it. `mask`: the permuted mask, carrying both, to
     pass to `omnigen.attention(q, k, v, result.mask)` with q, k, v in the ORIGINAL order (the call gathers and
-    scatters). `costs`: per tile shape, (original, reordered, gathers) in full-tile units (`ReorderCosts`);
+    scatters); `token_order()`: the same plan for a model that permutes its inputs once per batch (no gathers in
+    the calls; see the module docstring). `costs`: per tile shape, (original, reordered, gathers) in full-tile units (`ReorderCosts`);
     `candidates`: each proposal's estimated visited-tile cost on the first tile shape."""
 
     accepted: bool
@@ -596,6 +606,7 @@ def reorder(
     tiles: Iterable[tuple[int, int]] | None = None,
     partial_bits: int | str = "exact",
     rules_only: bool | None = None,
+    layers: int | None = None,
 ) -> Reordering:
     """Propose a permutation of token positions that makes the mask visit fewer (weighted) tiles, and keep it only
     when it wins, the gathers counted. Returns a `Reordering`: truthy with `.mask` (pass it to `omnigen.attention`
@@ -612,7 +623,10 @@ def reorder(
     `partial_bits`: the reordered mask's bit slots (as for `omnigen.mask_from_dense`). `rules_only`: for a rules
     mask, propose only regrouped segments (a rules mask, which every kernel family runs), not permutations of tokens
     (a mask made from data, which only kernels that read partial tiles' bits run: Hopper's and the CPU path); default
-    True on a CUDA device whose kernels do not read bits, else False."""
+    True on a CUDA device whose kernels do not read bits, else False. `layers`: how the permutation will be applied,
+    which sets the gathers' price: None (default), around every call (`.mask`: eight gathers per forward + backward);
+    L, once per step by a model of L attention layers (`.token_order()`: one activation's permutation per step, an
+    L-th of it per call), which lets smaller gains win."""
     problems = []
     if method not in METHODS:
         problems.append(f"method must be one of {', '.join(repr(m) for m in METHODS)}, not {method!r}")
@@ -621,6 +635,9 @@ def reorder(
     for name, value in (("heads", heads), ("head_dim", head_dim)) + ((("kv_heads", kv_heads),) if kv_heads else ()):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{name} must be a positive integer, not {value!r}")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        problems.append(f"layers must be None (gathers around every call) or the model's number of attention layers "
+                        f"(a positive integer), not {layers!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         problems.append(f"dtype must be a floating torch.dtype (the calls' q/k/v dtype), not {dtype!r}")
     if problems:
@@ -637,7 +654,7 @@ def reorder(
         rules_only = mask.device.type == "cuda" and not _reads_bits(mask.device)
     B, S, shapes = source.B, source.S, list(mask.tiles)
     element = torch.empty((), dtype=dtype).element_size()
-    gathers = {s: costs.gathers(B, S, s[0], s[1], heads, kv_heads, head_dim, element) for s in shapes}
+    gathers = {s: costs.gathers(B, S, s[0], s[1], heads, kv_heads, head_dim, element, layers) for s in shapes}
     original = _exact_costs(mask, costs)
     first = shapes[0]
 
