@@ -305,8 +305,6 @@ def inspect(rules_path: str, archs: tuple[str, ...]) -> None:
     """Where the emitted sources and the built modules of the rules are."""
     rules = Rules.load(rules_path)
     configs = _targets(rules, archs)
-    if forward_only:
-        configs = list(dict.fromkeys(replace(c, forward_only=True) for c in configs))
     click.echo(f"rules {rules.name}: content hash {rules.content_hash()}, mask hash {rules.mask_hash()}")
     checked_in = regenerate.GENERATED_DIR / rules.name
     if checked_in.is_dir():
