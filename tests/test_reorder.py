@@ -640,6 +640,29 @@ def test_the_permuted_order_mask_runs_without_gathers(monkeypatch):
     assert found.mask.permutation is found.permutation  # the per-call mask keeps gathering
 
 
+@pytest.mark.gpu
+def test_the_permuted_order_on_the_gpu_kernels_matches_the_per_call_way():
+    # The GPU kernels run a TokenOrder's mask as they run any mask made from data: the permute-once way and the
+    # per-call way run the same plan and give the same output and gradients (bf16, so to its tolerance).
+    dense = _frames(1024, 48, 300)[1].cuda()
+    mask = omnigen.mask_from_dense(dense, batch=2, head_dim=64, dtype=torch.bfloat16)
+    found = omnigen.reorder(mask, head_dim=64, layers=12, costs=CHEAP)
+    assert found, found
+    order = found.token_order()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, d_out = (torch.randn(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                      for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = omnigen.attention(q, k, v, found.mask)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    inputs = [order.permute(t.detach(), dim=2).requires_grad_() for t in (q, k, v)]
+    out_p = omnigen.attention(*inputs, order.mask)
+    grads_p = torch.autograd.grad(out_p, inputs, order.permute(d_out, dim=2))
+    torch.testing.assert_close(order.unpermute(out_p, dim=2), out, atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads_p, grads):
+        torch.testing.assert_close(order.unpermute(got, dim=2), want, atol=5e-2, rtol=5e-2)
+
+
 def test_the_masks_say_which_order_they_want():
     _, found, _ = _model_case("medusa")
     order = found.token_order()
