@@ -297,6 +297,38 @@ def test_sm90_split_columns_speed_report():
     _speed_report(_module(TRANSFUSION, 256, "bf16", family="sm90"), 256, "sm90 split", batch=2, deterministic_too=False)
 
 
+# ---- d256 with split scores (the split_scores option, off by default; issue 30): the warpgroups split S^T and dP^T by
+# query columns too, P^T and dS^T meet in shared memory, dV and dK read them there (no C7512 serialisation).
+SPLIT_SCORES = {"split_scores": True}
+
+
+@pytest.mark.parametrize("bits", [None, "half", "all"], ids=lambda v: f"bits_{v}")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_split_scores_backward_d256(case, dtype, bits):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    if dtype == "fp16" and (bits is not None or name not in ("s17_gqa", "misaligned_images_1000")):
+        pytest.skip("fp16 on two cases only, without bits")
+    module = _module(rules, 256, dtype, family="sm90", options=SPLIT_SCORES)
+    assert (module.BLOCK_N, module.HAS_BACKWARD) == (64, True)
+    _check_case(rules, layout_texts, Hq, Hkv, 256, dtype, strided=name == "pad_docs_strided", deterministic=False,
+                name=name, family="sm90", bits=bits, options=SPLIT_SCORES)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_split_scores_speed_report():
+    """The d256 backward with split scores beside the default (split columns alone), Transfusion 8K, B=2, H=16."""
+    _skip_unless_family_runs("sm90")
+    _speed_report(_module(TRANSFUSION, 256, "bf16", family="sm90"), 256, "sm90 split columns", batch=2,
+                  deterministic_too=False)
+    _speed_report(_module(TRANSFUSION, 256, "bf16", family="sm90", options=SPLIT_SCORES), 256, "sm90 split scores",
+                  batch=2, deterministic_too=False)
+
+
 # ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (the ordered_dq option, on by default;
 # with it off, the module has no deterministic mode).
 

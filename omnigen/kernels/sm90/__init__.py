@@ -46,6 +46,8 @@ class Sm90Family(KernelFamily):
         if r.hopper_dq_writer:
             dq += " from a writer warp"
         shape = "64 keys, head dims split between the warpgroups" if r.hopper_split_columns else "128 keys"
+        if r.hopper_split_scores:
+            shape += ", scores split by query columns"
         deterministic = r.deterministic_problems()
         mode = "the same kernel, dQ added in kv-tile order" if not deterministic else "none (" + "; ".join(deterministic) + ")"
         return f"Hopper dK/dV kernel ({shape}, dQ by {dq}); deterministic: {mode}"
@@ -82,6 +84,8 @@ class Sm90Family(KernelFamily):
             "backward_problem": backward_problem,
             "deterministic_problem": deterministic_problem,
             "hopper_split_columns": r.hopper_split_columns,
+            "hopper_split_scores": r.hopper_split_scores,
+            "hopper_score_columns": r.hopper_score_columns,  # S^T / dP^T query columns per warpgroup
             "hopper_slice_columns": config.head_dim // 2 if r.hopper_split_columns else config.head_dim,  # dK/dV per warpgroup
             "ordered_dq": r.hopper_ordered_dq,
             "ordered_section_pairs": r.ordered_section_pairs,

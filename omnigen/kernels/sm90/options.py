@@ -30,6 +30,11 @@ class HopperOptions(KernelOptions):
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
     # dQ by vector atomics ("First GPU run of the switched kernels"). Off: no backward at d256.
     split_columns: bool = True
+    # With split columns, the warpgroups split S^T and dP^T too, 32 query columns each, instead of both computing the
+    # whole 64 x 64 of each: P^T goes through shared memory like dS^T, and dV and dK read their A operand there. The
+    # duplicated accumulators beside dK and dV (128 registers) left ptxas too few registers to keep wgmmas in flight,
+    # so it serialised every one (C7512). Off until timed on a GPU (issue 30).
+    split_scores: bool = False
     # Deterministic mode on the Hopper kernel: dQ added by TMA reduce-add in kv-tile order (a per-(batch, head,
     # 64 rows) counter); off, the module has no deterministic mode ("Deterministic mode: the ordered grid in
     # sections of heads").

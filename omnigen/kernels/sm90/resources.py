@@ -104,6 +104,17 @@ class Resources:
         return self.config.tile.block_n == 64
 
     @property
+    def hopper_split_scores(self) -> bool:
+        """Whether the split-columns backward's warpgroups also split S^T and dP^T by query columns (the split_scores
+        option), P^T going through shared memory."""
+        return self.options.split_scores and self.hopper_split_columns
+
+    @property
+    def hopper_score_columns(self) -> int:
+        """Query columns of S^T and dP^T per consumer warpgroup and step: half a step with split scores."""
+        return HOPPER_STEP_ROWS // 2 if self.hopper_split_scores else HOPPER_STEP_ROWS
+
+    @property
     def hopper_tma_dq(self) -> bool:
         """Whether the module's Hopper backward adds dQ by TMA reduce-add from staged boxes (not with split
         columns: their dQ goes by per-thread atomics) -- what ordered dQ and the writer warp build on."""
@@ -143,18 +154,19 @@ class Resources:
 
     @property
     def hopper_shared_storage_bytes(self) -> int:
-        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers, the step's dQ
-        (fp32, on its way to TMA; none with split columns, whose dQ goes by atomics), stages x the rows' tables
-        (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
+        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers (split scores: one
+        dS^T and two P^T), the step's dQ (fp32, on its way to TMA; none with split columns, whose dQ goes by atomics),
+        stages x the rows' tables (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
         t = self.config.tile
         kv = t.block_n * 128 * self.boxes
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
         ds = t.block_n * HOPPER_STEP_ROWS * 2
+        score_buffers = 3 if self.hopper_split_scores else 2  # dS^T x 2, or dS^T + P^T x 2
         dq = 0 if self.hopper_split_columns else HOPPER_STEP_ROWS * self.config.head_dim * 4
         stages = self.hopper_stages
         tables = stages * 5 * HOPPER_STEP_ROWS * 4
         barriers = 8 * (1 + 2 * stages)
-        return -(-(2 * kv + 2 * stages * rows + 2 * ds + dq + tables + barriers) // 1024) * 1024
+        return -(-(2 * kv + 2 * stages * rows + score_buffers * ds + dq + tables + barriers) // 1024) * 1024
 
     @property
     def hopper_stages(self) -> int:
