@@ -1,6 +1,6 @@
 """The masks issue 29 is judged on, each as a FlexAttention `mask_mod`, a dense mask and FlashMask intervals.
 
-One definition per mask, shared by the CPU tests (tests/test_mask_catalogue.py: the three inputs give one plan and
+One definition per mask, shared by the CPU tests (tests/test_mask_makers.py: the three inputs give one plan and
 one output, equal to a float64 reference) and by `omnigen bench --mask NAME` (the same `mask_mod` timed through
 omnigen and FlexAttention), so what is measured is what is tested.
 

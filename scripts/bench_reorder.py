@@ -31,7 +31,7 @@ interleaved round-robin.
 Issue 29 asks for >= 1.3x on the fragmented masks (medusa_interleaved, frames) at 8K and 32K, gathers counted:
 
     PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 scripts/bench_reorder.py --sizes 8192 32768 --dim 128 \\
-        --layers 1 12 --out benchmarks/reorder.json
+        --layers 1 12 --out reorder.json
 """
 
 from __future__ import annotations
