@@ -70,3 +70,44 @@ def test_the_binding_takes_what_the_python_kernels_pass(config, struct):
 def test_wrong_values_name_the_missing_field():
     with pytest.raises(KeyError, match="ForwardArgs: no value for 'k'"):
         arguments.call_arguments(arguments.FORWARD, {"q": 1}, stream=0)
+
+
+def _binding_traits(binding: str) -> dict[str, object]:
+    """The flags a rendered binding exports, as VariantTraits fields."""
+    def flag(name: str) -> bool:
+        return re.search(rf"constexpr bool {name} = (true|false);", binding).group(1) == "true"
+
+    problem = re.search(r'constexpr const char\* kBackwardProblem = "(.*)";', binding).group(1)
+    return {"has_backward": flag("kHasBackward"), "backward_problem": problem or None,
+            "persistent_forward": flag("kPersistentForward"), "partial_bits": flag("kPartialBits"),
+            "ordered_dq": flag("kOrderedDq")}
+
+
+@pytest.mark.parametrize("rules_name, config", [
+    ("transfusion", KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128))),
+    ("transfusion", KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256))),
+    ("transfusion", KernelConfig(64, "fp16", "sm_80", TileConfig(128, 64, 4, 2))),
+    ("transfusion", KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128), forward_only=True)),
+    ("bits_only", KernelConfig(64, "bf16", "sm_80", TileConfig(128, 64, 4, 2))),
+], ids=["sm90-d128", "sm90-d256", "sm80-d64", "sm90-forward-only", "sm80-bits-only"])
+def test_the_binding_exports_the_familys_traits(rules_name, config):
+    """Each family states a variant's traits once (KernelFamily.traits); the binding's flags are rendered from that
+    record, and launch.capabilities reads the same fields back from a module."""
+    from dataclasses import asdict
+
+    from omnigen.kernels import family_of, launch
+    from omnigen.plan.ruleless import RULELESS_RULES
+
+    rules = RULELESS_RULES if rules_name == "bits_only" else RULES
+    traits = family_of(config).traits(rules, config)
+    binding = codegen.render(rules, config)[codegen.source_names(rules, config)["binding"]]
+    assert _binding_traits(binding) == asdict(traits)
+    module = type("Module", (), {"HAS_BACKWARD": traits.has_backward, "BACKWARD_PROBLEM": traits.backward_problem,
+                                 "PERSISTENT_FORWARD": traits.persistent_forward, "PARTIAL_BITS": traits.partial_bits,
+                                 "ORDERED_DQ": traits.ordered_dq})
+    found = launch.capabilities(module)
+    assert {name: getattr(found, name) for name in asdict(traits)} == asdict(traits)
+    if config.forward_only:
+        assert not traits.has_backward and "forward-only" in traits.backward_problem
+    if rules_name == "bits_only":
+        assert traits.partial_bits

@@ -232,9 +232,12 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
         **family.render_context(config),
         **family.rules_context(rules, config),
     }
-    if config.forward_only:  # the binding's flags; the backward file is the launchers alone (forward_only.cu.j2)
-        problem = "; ".join(family.backward_problems(config)).replace('"', "'")
-        context.update(backward_supported=False, backward_problem=f"this module has no backward kernel: {problem}")
+    # The binding's flags are the family's record of the variant (a forward-only variant's backward file is the
+    # launchers alone, forward_only.cu.j2), so what a module says of itself is what its family states.
+    traits = family.traits(rules, config)
+    context.update(backward_supported=traits.has_backward, backward_problem=traits.backward_problem or "",
+                   persistent=traits.persistent_forward, partial_bits=traits.partial_bits,
+                   ordered_dq=traits.ordered_dq)
     context["raw_delimiter"] = _raw_delimiter(context["rules_yaml"])
     env = _environment(family)
     mask_context = dict(context, header=_header(rules, None, None), namespace=f"omnigen_rules_{rules.name}")

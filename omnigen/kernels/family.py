@@ -126,6 +126,19 @@ class KernelFamily(ABC):
         """Template variables of this family that depend on the rules too (they update render_context's)."""
         return {}
 
+    def traits(self, rules: Any, config: KernelConfig) -> launch.VariantTraits:
+        """What the variant's module will do besides the common launches: the one statement of it, which the
+        binding exports (codegen renders its flags from this record) and `launch.capabilities` reads back."""
+        context = {**self.render_context(config), **self.rules_context(rules, config)}
+        if config.forward_only:
+            problem = "; ".join(self.backward_problems(config)).replace('"', "'")
+            has_backward, backward_problem = False, f"this module has no backward kernel: {problem}"
+        else:
+            has_backward, backward_problem = bool(context["backward_supported"]), context["backward_problem"] or None
+        return launch.VariantTraits(has_backward=has_backward, backward_problem=backward_problem,
+                                    persistent_forward=bool(context["persistent"]),
+                                    partial_bits=bool(context["partial_bits"]), ordered_dq=bool(context["ordered_dq"]))
+
     # ---- launching a built module (inputs already checked by the op): the shared binding's arguments
 
     def forward(self, module: Any, plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

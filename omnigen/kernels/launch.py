@@ -7,7 +7,7 @@ order by their one description (kernels/arguments.py), which also makes the C st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
 
@@ -17,9 +17,22 @@ from .arguments import BACKWARD, DELTA, FORWARD, call_arguments
 
 
 @dataclass(frozen=True)
+class VariantTraits:
+    """What a variant's module does besides the launches every module has. Its family states them when the variant
+    is rendered (`KernelFamily.traits`), the binding exports them as the module's attributes (HAS_BACKWARD,
+    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ), and `capabilities` reads them back."""
+
+    has_backward: bool
+    backward_problem: str | None  # why not, when it has none
+    persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
+    partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
+    ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
+
+
+@dataclass(frozen=True)
 class Capabilities:
-    """What a built module can do and reads besides the arguments every launch takes, read once from its
-    attributes (common/templates/binding.cpp.j2 sets them)."""
+    """What a built module can do and reads besides the arguments every launch takes (its VariantTraits' fields),
+    and where its launches are, read once from its attributes (common/templates/binding.cpp.j2 sets them)."""
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
@@ -44,11 +57,13 @@ def capabilities(module: Any) -> Capabilities:
         def flag(attribute: str) -> bool:
             return bool(getattr(module, attribute, False))
 
-        found = Capabilities(
+        traits = VariantTraits(
             has_backward=bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))),
             backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
             persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
-            ordered_dq=flag("ORDERED_DQ"),
+            ordered_dq=flag("ORDERED_DQ"))
+        found = Capabilities(
+            **asdict(traits),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
             backward_launch=int(getattr(module, "BACKWARD_LAUNCH", 0)),
             delta_launch=int(getattr(module, "DELTA_LAUNCH", 0)))
