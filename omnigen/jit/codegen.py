@@ -234,7 +234,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
     }
     # The binding's flags are the family's record of the variant (a forward-only variant's backward file is the
     # launchers alone, forward_only.cu.j2), so what a module says of itself is what its family states.
-    traits = family.traits(rules, config)
+    traits = family.traits_of(context, config)
     context.update(backward_supported=traits.has_backward, backward_problem=traits.backward_problem or "",
                    persistent=traits.persistent_forward, partial_bits=traits.partial_bits,
                    ordered_dq=traits.ordered_dq)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -114,6 +115,14 @@ class LaunchStruct:
     @property
     def keywords(self) -> tuple[Field, ...]:
         return tuple(f for f in self.fields if f.binding == "keyword")
+
+    @cached_property
+    def call_keys(self) -> tuple[tuple[str, bool], ...]:
+        """The values `call_arguments` reads, in the binding's positional order: (key, True) for a tensor's three
+        strides (`<tensor>_strides`), (name, False) for a parameter field."""
+        return tuple((f"{m.tensor}_strides", True) if isinstance(m, Strides) else (m.name, False)
+                     for m in self.members
+                     if isinstance(m, Strides) or (isinstance(m, Field) and m.binding == "parameter"))
 
     @property
     def has_partial_bits(self) -> bool:
@@ -237,11 +246,11 @@ def call_arguments(struct: LaunchStruct, values: Mapping[str, Any], stream: int)
     Keywords are passed by name by the caller."""
     out: list[Any] = []
     try:
-        for member in struct.members:
-            if isinstance(member, Strides):
-                out.extend(values[f"{member.tensor}_strides"][:3])
-            elif isinstance(member, Field) and member.binding == "parameter":
-                out.append(values[member.name])
+        for key, strides in struct.call_keys:
+            if strides:
+                out.extend(values[key][:3])
+            else:
+                out.append(values[key])
     except KeyError as missing:
         raise KeyError(f"{struct.name}: no value for {missing.args[0]!r}") from None
     out.append(stream)

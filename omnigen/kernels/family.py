@@ -129,7 +129,10 @@ class KernelFamily(ABC):
     def traits(self, rules: Any, config: KernelConfig) -> launch.VariantTraits:
         """What the variant's module will do besides the common launches: the one statement of it, which the
         binding exports (codegen renders its flags from this record) and `launch.capabilities` reads back."""
-        context = {**self.render_context(config), **self.rules_context(rules, config)}
+        return self.traits_of({**self.render_context(config), **self.rules_context(rules, config)}, config)
+
+    def traits_of(self, context: dict[str, Any], config: KernelConfig) -> launch.VariantTraits:
+        """`traits` from the variant's merged render and rules context (what codegen has already made)."""
         if config.forward_only:
             problem = "; ".join(self.backward_problems(config)).replace('"', "'")
             has_backward, backward_problem = False, f"this module has no backward kernel: {problem}"

@@ -55,7 +55,6 @@ the batch is made.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -64,10 +63,10 @@ import torch
 
 from ..errors import InputError, type_name
 from ..layout import Layout, LayoutBatch
-from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SEE_CODES, SEE_EARLIER, SEE_NONE, pair_predicate, rule_tensors
+from ..semantics import CAUSAL, FULL, PARTIAL, SEE_CODES, SEE_EARLIER, SEE_NONE, pair_predicate, rule_tensors
 from .masks import Mask, _reads_bits, make_mask
 from .planners import _check_device
-from .ruleless import classify_slabs, ruleless_mask, tile_shapes
+from .ruleless import classify_shapes, ruleless_mask
 from .bits import slot_words
 from .tile_bits import unpack
 
@@ -204,7 +203,7 @@ def _bits_evaluator(mask: Mask) -> Evaluator:
     (slots in row-major order of the partial tiles, as plan.ruleless lays them out)."""
     block_m, block_n = mask.tiles[0]
     plan = mask.plan(block_m, block_n)
-    B, nq, nk = mask.batch_size, plan.num_q_tiles, plan.num_kv_tiles
+    nq, nk = plan.num_q_tiles, plan.num_kv_tiles
     kinds = plan.kinds.reshape(-1)  # flat over (b, q-tile, kv-tile): one gather per element below
     partial = kinds == PARTIAL
     slot = (partial.long().cumsum(0) - 1).clamp(min=0)
@@ -574,7 +573,7 @@ def _permuted_mask(source: _Source, perm: torch.Tensor, partial_bits) -> Mask:
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         return torch.cat([source.evaluate(b, b + 1, perm[b, r0:r1], perm[b]) for b in range(b0, b1)])
 
-    plans = [classify_slabs(slab, B, S, m, n, device) for m, n in source.mask.tiles]
+    plans = classify_shapes(slab, B, S, list(source.mask.tiles), device)  # the mask read once for every shape
     return ruleless_mask(plans, B, S, source.mask.batched, device, partial_bits)
 
 

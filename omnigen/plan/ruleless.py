@@ -321,12 +321,6 @@ class _Packer:
         return self.packed
 
 
-def classify_slabs(slab, B: int, S: int, block_m: int, block_n: int, device: torch.device) -> ShapePlan:
-    """The ShapePlan of one tile shape (`classify_shapes` with one shape; several shapes of one mask should be
-    classified together, reading the mask once)."""
-    return classify_shapes(slab, B, S, [(block_m, block_n)], device)[0]
-
-
 # ---- schedules and the Mask -----------------------------------------------------------------------------------
 
 
