@@ -1,0 +1,247 @@
+"""Rectangular attention: some chunks of queries against some chunks of keys/values, returning O and LSE.
+
+This is one rank's share of context-parallel attention (its queries against its own chunks, or against the
+chunks another rank sent) and also chunked prefill against a KV cache. Two ways to run one rectangle:
+
+- `KernelRectangle` (CUDA): the rectangle is planned exactly, tile by tile, from the layout's own plan, and run by
+  the kernels as a mask made from data (`plan.ruleless`): a square problem of L tokens whose rows are the queries
+  (then, for keys from elsewhere, zero padding up to a chunk boundary) and whose columns are the keys. Rows of keys
+  and columns of queries are empty tiles the schedules never visit, so the kernels do the rectangle's work and
+  nothing else. A local tile maps to one tile of the whole sequence's plan, because chunks are multiples of every
+  tile dimension: its kind is that tile's kind (a causal tile keeps its diagonal: queries and keys of one chunk
+  sit at the same local offset), and a partial tile's bits are the rules evaluated at the tokens' sequence
+  positions (windows and causality included).
+- `ReferenceRectangle` (CPU): the same arithmetic in float64 (the rules' predicate at sequence positions, a dense
+  softmax), for tests; its backward is the kernels' formula (P from the final LSE, delta from the final O), so
+  the distributed code around it is the code the GPU runs.
+
+Both take and return [B, H, rows, D] tensors: `forward(q, k, v) -> (out, lse)` and
+`backward(d_out, q, k, v, out, lse) -> (dq, dk, dv)` where out/lse are the *merged* results of every rectangle of
+the queries (so that the pieces' gradients add up to the whole's).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..layout import AnyLayout, Layout, LayoutBatch
+from ..rules import Rules
+from ..semantics import CAUSAL, FULL, PARTIAL, pair_predicate
+
+
+def batched(layout: AnyLayout, batch: int) -> LayoutBatch:
+    """The layout as a batch of `batch` (one layout repeated, or a batch of that size)."""
+    if isinstance(layout, Layout):
+        return LayoutBatch([layout] * batch)
+    if layout.batch_size != batch:
+        raise ValueError(f"the shard's layout has a batch of {layout.batch_size}, q has {batch}")
+    return layout
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax results over two disjoint key sets merged into the result over their union (rows without keys in
+    either: out 0, lse -inf, no NaN)."""
+    total = torch.logaddexp(lse, part_lse)
+    finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    keep, take = torch.exp(lse - finite), torch.exp(part_lse - finite)
+    return out * keep[..., None] + part_out * take[..., None], total
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def _fold(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """Gradients of the expanded heads summed back onto each key/value head."""
+    B, H, S, D = x.shape
+    return x.view(B, heads_kv, H // heads_kv, S, D).sum(2) if H != heads_kv else x
+
+
+class ReferenceRectangle:
+    """Queries at sequence positions `q_pos` against keys at `k_pos`, in float64 (the CPU path)."""
+
+    def __init__(self, rules: Rules, layout: LayoutBatch, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+                 device: torch.device | str = "cpu") -> None:
+        tables = layout.tables(rules, device)
+        b = torch.arange(layout.batch_size, device=device)[:, None, None]
+        qp = torch.as_tensor(q_pos, device=device)[None, :, None]
+        kp = torch.as_tensor(k_pos, device=device)[None, None, :]
+        self.allowed = pair_predicate(rules, tables, b, qp, kp)[:, None]  # [B, 1, Sq, Sk]
+        self.scale = scale
+
+    def _probabilities(self, q, k, lse=None):
+        scores = torch.matmul(q.double(), _expand(k.double(), q.shape[1]).transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~self.allowed, float("-inf"))
+        if lse is None:
+            return scores
+        finite = torch.where(torch.isfinite(lse), lse.double(), torch.zeros_like(lse, dtype=torch.float64))
+        return torch.where(self.allowed, torch.exp(scores - finite[..., None]), torch.zeros_like(scores))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self._probabilities(q, k)
+        lse = torch.logsumexp(scores, dim=-1)  # -inf for a row without keys
+        p = torch.where(self.allowed, torch.exp(scores - torch.where(torch.isfinite(lse), lse,
+                                                                   torch.zeros_like(lse))[..., None]), 0.0)
+        return torch.matmul(p, _expand(v.double(), q.shape[1])), lse
+
+    def backward(self, d_out, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self._probabilities(q, k, lse)
+        d_out, out = d_out.double(), out.double()
+        v64 = _expand(v.double(), q.shape[1])
+        dv = torch.matmul(p.transpose(-1, -2), d_out)
+        dp = torch.matmul(d_out, v64.transpose(-1, -2))
+        delta = (d_out * out).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        dq = torch.matmul(ds, _expand(k.double(), q.shape[1])) * self.scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.double()) * self.scale
+        return dq, _fold(dk, k.shape[1]), _fold(dv, k.shape[1])
+
+
+class KernelRectangle:
+    """A rectangle run by the CUDA kernels through a mask made from data (see the module docstring).
+
+    `q_rows`, `k_rows`: the rectangle's query and key counts; `k_offset`: where the keys start in the L-token
+    square (0 when queries and keys are the same tokens, else the queries' count rounded up to a chunk)."""
+
+    def __init__(self, mask: Any, q_rows: int, k_rows: int, k_offset: int, scale: float) -> None:
+        from ..op import library
+        from ..plan.ruleless import RULELESS_KEY
+
+        self.mask, self.q_rows, self.k_rows, self.k_offset, self.scale = mask, q_rows, k_rows, k_offset, scale
+        self.length = mask.seq_len
+        self.same_tokens = k_offset == 0 and q_rows == k_rows == self.length
+        self.kernel_key = library.RULES_PREFIX + RULELESS_KEY
+        self._inputs = (mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality,
+                        mask.token_doc, self.kernel_key, float(scale), False)
+
+    def _rows(self, x: torch.Tensor, start: int, fill: float = 0.0) -> torch.Tensor:
+        """x placed at rows [start, start + rows) of an L-row tensor (zeros, or `fill`, elsewhere)."""
+        if self.same_tokens:
+            return x
+        shape = list(x.shape)
+        shape[2] = self.length
+        out = x.new_full(shape, fill)
+        out[:, :, start:start + x.shape[2]] = x
+        return out
+
+    def forward(self, q, k, v):
+        out, lse = torch.ops.omnigen.attention(self._rows(q, 0), self._rows(k, self.k_offset),
+                                               self._rows(v, self.k_offset), *self._inputs)
+        return out[:, :, : self.q_rows], lse[:, :, : self.q_rows]
+
+    def backward(self, d_out, q, k, v, out, lse):
+        # Padding rows: q = dO = O = 0 and lse 0, so every product they take part in is exactly 0.
+        dq, dk, dv = torch.ops.omnigen.attention_backward(
+            self._rows(d_out, 0), self._rows(q, 0), self._rows(k, self.k_offset), self._rows(v, self.k_offset),
+            self._rows(out, 0), self._rows(lse.unsqueeze(-1), 0).squeeze(-1), *self._inputs)
+        keys = slice(self.k_offset, self.k_offset + self.k_rows)
+        return dq[:, :, : self.q_rows], dk[:, :, keys], dv[:, :, keys]
+
+
+# ---- the rectangle's mask ------------------------------------------------------------------------------------
+
+
+def chunk_positions(chunks: np.ndarray, chunk: int, lengths: np.ndarray) -> np.ndarray:
+    """int64: the sequence positions of the tokens of `chunks`, in that order."""
+    if not len(chunks):
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(c * chunk, c * chunk + lengths[c]) for c in chunks])
+
+
+def square_positions(q_pos: np.ndarray, k_pos: np.ndarray, chunk: int, seq_len: int, same_tokens: bool
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
+    """(row positions [L], column positions [L], key offset) of the L-token square a rectangle runs as: queries
+    first, keys after them at a chunk boundary (unless they are the same tokens); `seq_len` marks a row or column
+    that is no token (it is allowed nothing)."""
+    if same_tokens:
+        return q_pos, k_pos, 0
+    offset = -(-len(q_pos) // chunk) * chunk
+    length = offset + len(k_pos)
+    rows = np.full(length, seq_len, dtype=np.int64)
+    cols = np.full(length, seq_len, dtype=np.int64)
+    rows[: len(q_pos)] = q_pos
+    cols[offset:] = k_pos
+    return rows, cols, offset
+
+
+def _global_tiles(positions: torch.Tensor, block: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each local tile of `block` tokens: (the sequence tile its first token lies in, whether it has one)."""
+    firsts = positions[::block]
+    return (firsts.clamp(max=seq_len - 1) // block), firsts < seq_len
+
+
+def rectangle_mask(rules: Rules, layout: LayoutBatch, rows: np.ndarray, cols: np.ndarray, chunk: int,
+                   device: torch.device, head_dim: int, dtype: torch.dtype, kinds_of: Any) -> Any:
+    """The Mask (made from data) of the square whose rows/columns are the tokens at sequence positions `rows` and
+    `cols` (`seq_len` for none). `kinds_of(block_m, block_n)` gives the whole sequence's tile kinds, int8
+    [B, nq, nk] on `device`. Every tile dimension must divide `chunk`."""
+    from ..plan import ruleless
+
+    S, B, L = layout.seq_len, layout.batch_size, len(rows)
+    shapes = ruleless.tile_shapes(L, device, None, head_dim, dtype)
+    bad = [f"{m}x{n}" for m, n in shapes if chunk % m or chunk % n]
+    if bad:
+        raise ValueError(f"chunk={chunk} is not a multiple of the kernels' tile sizes ({', '.join(bad)}): plan the "
+                         "shards with chunk a multiple of 128")
+    tables = layout.tables(rules, device)
+    row_pos = torch.as_tensor(rows, device=device)
+    col_pos = torch.as_tensor(cols, device=device)
+    made = []
+    for block_m, block_n in shapes:
+        whole = kinds_of(block_m, block_n)
+        gq, q_ok = _global_tiles(row_pos, block_m, S)
+        gk, k_ok = _global_tiles(col_pos, block_n, S)
+        kinds = whole[:, gq][:, :, gk]
+        kinds = torch.where(q_ok[None, :, None] & k_ok[None, None, :], kinds, torch.zeros_like(kinds))
+        # A causal tile keeps its diagonal (the kernels compare local indices) only where its rows and columns sit
+        # as far apart locally as in the sequence; elsewhere it becomes partial, with bits.
+        local = (torch.arange(len(gq), device=device) * block_m)[:, None] - (torch.arange(len(gk), device=device)
+                                                                             * block_n)[None, :]
+        moved = (kinds == CAUSAL) & (local != row_pos[::block_m][:, None] - col_pos[::block_n][None, :])[None]
+        kinds = torch.where(moved, torch.full_like(kinds, PARTIAL), kinds).contiguous()
+        made.append(_shape_plan(rules, tables, kinds, row_pos, col_pos, block_m, block_n, S))
+    return ruleless.ruleless_mask(made, B, L, True, device, "exact", made_by="omnigen.distributed")
+
+
+def _tile_positions(positions: torch.Tensor, index: torch.Tensor, block: int, seq_len: int) -> torch.Tensor:
+    """[n, block]: the sequence positions of tiles `index` (seq_len past the square's end)."""
+    offsets = index[:, None] * block + torch.arange(block, device=positions.device)[None, :]
+    inside = offsets < len(positions)
+    return torch.where(inside, positions[offsets.clamp(max=len(positions) - 1)], seq_len)
+
+
+def _shape_plan(rules, tables, kinds, row_pos, col_pos, block_m, block_n, S):
+    from ..plan.ruleless import ShapePlan
+
+    b, i, j = (kinds == PARTIAL).nonzero(as_tuple=True)
+    partials = []
+    pairs = 0
+    step = max(1, (1 << 24) // (block_m * block_n))
+    for start in range(0, len(b), step):
+        bb, ii, jj = b[start:start + step], i[start:start + step], j[start:start + step]
+        blocks = pair_predicate(rules, tables, bb[:, None, None], _tile_positions(row_pos, ii, block_m, S)[:, :, None],
+                                _tile_positions(col_pos, jj, block_n, S)[:, None, :])
+        partials.append((bb, ii, jj, blocks))
+        pairs += int(blocks.sum())
+    # Full tiles: every pair of real tokens; causal tiles: those with key <= query.
+    for kind in (FULL, CAUSAL):
+        bb, ii, jj = (kinds == kind).nonzero(as_tuple=True)
+        for start in range(0, len(bb), step):
+            qp = _tile_positions(row_pos, ii[start:start + step], block_m, S)[:, :, None]
+            kp = _tile_positions(col_pos, jj[start:start + step], block_n, S)[:, None, :]
+            real = (qp < S) & (kp < S)
+            pairs += int((real & (kp <= qp)).sum() if kind == CAUSAL else real.sum())
+    return ShapePlan(block_m, block_n, kinds, pairs, partials, partial_count=len(b))
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+__all__ = ["KernelRectangle", "ReferenceRectangle", "batched", "chunk_positions", "merge", "rectangle_mask",
+           "square_positions"]
