@@ -15,6 +15,7 @@ chunks that were sent. Transport is torch.distributed (NCCL on GPUs, gloo on CPU
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..rules import Rules
-from .rectangle import (KernelRectangle, ReferenceRectangle, batched, chunk_positions, default_scale, merge,
-                        rectangle_mask, square_positions)
+from .rectangle import (KernelRectangle, ReferenceRectangle, as_index, batched, chunk_positions, default_scale,
+                        merge, rectangle_mask, square_positions)
 from .shard import Shard
 
 
@@ -55,12 +56,17 @@ class RankWork:
 
 
 def _make_rectangle(shard: Shard, layout, q_chunks: np.ndarray, k_chunks: np.ndarray, q: torch.Tensor,
-                    scale: float, same_tokens: bool):
-    q_pos = chunk_positions(q_chunks, shard.chunk, shard.lengths)
-    k_pos = chunk_positions(k_chunks, shard.chunk, shard.lengths)
-    if q.device.type == "cpu":
+                    scale: float, same_tokens: bool, kernels: bool | None = None):
+    """The rectangle of `q_chunks`' queries against `k_chunks`' keys: run by the kernels (CUDA tensors; `kernels`
+    forces it, e.g. on the CPU, where the op's own PyTorch path reads the same mask) or by the reference."""
+    if not (q.device.type == "cuda" if kernels is None else kernels):
+        q_pos = chunk_positions(q_chunks, shard.chunk, shard.lengths)
+        k_pos = chunk_positions(k_chunks, shard.chunk, shard.lengths)
         return ReferenceRectangle(shard.rules, layout, q_pos, k_pos, scale)
-    rows, cols, offset = square_positions(q_pos, k_pos, shard.chunk, shard.seq_len, same_tokens)
+    importlib.import_module("omnigen.op")  # registers torch.ops.omnigen.* and the kernels' tile shapes
+
+    rows, cols, q_rows, k_rows = square_positions(q_chunks, k_chunks, shard.chunk, shard.lengths, shard.seq_len,
+                                                  same_tokens)
 
     def kinds_of(block_m: int, block_n: int) -> torch.Tensor:
         key = ("kinds", str(q.device), layout.batch_size, block_m, block_n)
@@ -72,7 +78,7 @@ def _make_rectangle(shard: Shard, layout, q_chunks: np.ndarray, k_chunks: np.nda
         return shard._cache[key]
 
     mask = rectangle_mask(shard.rules, layout, rows, cols, shard.chunk, q.device, q.shape[-1], q.dtype, kinds_of)
-    return KernelRectangle(mask, len(q_pos), len(k_pos), offset, scale)
+    return KernelRectangle(mask, as_index(q_rows, q.device), as_index(k_rows, q.device), scale)
 
 
 def rank_work(shard: Shard, rank: int, q: torch.Tensor, scale: float) -> RankWork:
@@ -177,13 +183,11 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-_AGREED: set[tuple[int, int]] = set()
-
-
 def _check_agreement(shard: Shard, group, device: torch.device) -> None:
-    """Once per (shard, group): every rank holds the same shard (else each would wait for messages never sent)."""
-    key = (id(shard), id(group))
-    if key in _AGREED:
+    """Once per (shard, group): every rank holds the same shard (else each would wait for messages never sent).
+    The mark lives on the shard: every rank checks a new shard, whatever its Python id."""
+    key = ("agreed", group)
+    if shard._cache.get(key):
         return
     mine = shard.fingerprint()
     found = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
@@ -191,7 +195,7 @@ def _check_agreement(shard: Shard, group, device: torch.device) -> None:
     if int(found[0]) != mine or -int(found[1]) != mine:
         raise ValueError("the ranks hold different shards: make the shard on every rank with the same "
                          "plan_shards(rules, layout, world_size, chunk, method=...) arguments")
-    _AGREED.add(key)
+    shard._cache[key] = True
 
 
 def _check_inputs(q, k, v, shard: Shard, rules: Rules, rank: int) -> None:
@@ -248,8 +252,6 @@ def attention(
     _check_inputs(q, k, v, shard, rules, rank)
     scale = default_scale(q.shape[-1], scale)
     _check_agreement(shard, group, q.device)
-    if q.device.type == "cuda":
-        import omnigen.op  # noqa: F401  (registers torch.ops.omnigen.*)
     work = rank_work(shard, rank, q, scale)
     out, lse = _Attention.apply(q, k, v, _Call(work, group))
     return (out, lse) if return_lse else out
@@ -294,8 +296,6 @@ def chunk_attention(
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[2] != tokens:
             raise ValueError(f"{name} must be [B, H, {tokens}, D] (the tokens of its chunks), not "
                              f"{list(getattr(x, 'shape', []))}")
-    if q.device.type == "cuda":
-        import omnigen.op  # noqa: F401
     scale = default_scale(q.shape[-1], scale)
     same = len(q_chunks) == len(kv_chunks) and bool((q_chunks == kv_chunks).all())
     layout = batched(shard.layout, q.shape[0])

@@ -105,42 +105,48 @@ class ReferenceRectangle:
 class KernelRectangle:
     """A rectangle run by the CUDA kernels through a mask made from data (see the module docstring).
 
-    `q_rows`, `k_rows`: the rectangle's query and key counts; `k_offset`: where the keys start in the L-token
-    square (0 when queries and keys are the same tokens, else the queries' count rounded up to a chunk)."""
+    `q_index`, `k_index`: where the rectangle's queries and keys sit among the L rows of the square (a slice where
+    they are contiguous, else an int64 tensor); every other row is padding: zeros in, ignored out."""
 
-    def __init__(self, mask: Any, q_rows: int, k_rows: int, k_offset: int, scale: float) -> None:
+    def __init__(self, mask: Any, q_index: slice | torch.Tensor, k_index: slice | torch.Tensor, scale: float) -> None:
         from ..op import library
         from ..plan.ruleless import RULELESS_KEY
 
-        self.mask, self.q_rows, self.k_rows, self.k_offset, self.scale = mask, q_rows, k_rows, k_offset, scale
+        self.mask, self.q_index, self.k_index, self.scale = mask, q_index, k_index, scale
         self.length = mask.seq_len
-        self.same_tokens = k_offset == 0 and q_rows == k_rows == self.length
         self.kernel_key = library.RULES_PREFIX + RULELESS_KEY
         self._inputs = (mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality,
                         mask.token_doc, self.kernel_key, float(scale), False)
 
-    def _rows(self, x: torch.Tensor, start: int, fill: float = 0.0) -> torch.Tensor:
-        """x placed at rows [start, start + rows) of an L-row tensor (zeros, or `fill`, elsewhere)."""
-        if self.same_tokens:
+    def _place(self, x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+        """x at rows `index` of an L-row tensor of zeros (x itself when it fills the square)."""
+        if isinstance(index, slice) and index.start == 0 and index.stop == self.length == x.shape[2]:
             return x
         shape = list(x.shape)
         shape[2] = self.length
-        out = x.new_full(shape, fill)
-        out[:, :, start:start + x.shape[2]] = x
+        out = x.new_zeros(shape)
+        if isinstance(index, slice):
+            out[:, :, index] = x
+        else:
+            out.index_copy_(2, index, x)
         return out
 
+    @staticmethod
+    def _take(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+        return x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)
+
     def forward(self, q, k, v):
-        out, lse = torch.ops.omnigen.attention(self._rows(q, 0), self._rows(k, self.k_offset),
-                                               self._rows(v, self.k_offset), *self._inputs)
-        return out[:, :, : self.q_rows], lse[:, :, : self.q_rows]
+        out, lse = torch.ops.omnigen.attention(self._place(q, self.q_index), self._place(k, self.k_index),
+                                               self._place(v, self.k_index), *self._inputs)
+        return self._take(out, self.q_index), self._take(lse.unsqueeze(-1), self.q_index).squeeze(-1)
 
     def backward(self, d_out, q, k, v, out, lse):
         # Padding rows: q = dO = O = 0 and lse 0, so every product they take part in is exactly 0.
         dq, dk, dv = torch.ops.omnigen.attention_backward(
-            self._rows(d_out, 0), self._rows(q, 0), self._rows(k, self.k_offset), self._rows(v, self.k_offset),
-            self._rows(out, 0), self._rows(lse.unsqueeze(-1), 0).squeeze(-1), *self._inputs)
-        keys = slice(self.k_offset, self.k_offset + self.k_rows)
-        return dq[:, :, : self.q_rows], dk[:, :, keys], dv[:, :, keys]
+            self._place(d_out, self.q_index), self._place(q, self.q_index), self._place(k, self.k_index),
+            self._place(v, self.k_index), self._place(out, self.q_index),
+            self._place(lse.unsqueeze(-1), self.q_index).squeeze(-1), *self._inputs)
+        return self._take(dq, self.q_index), self._take(dk, self.k_index), self._take(dv, self.k_index)
 
 
 # ---- the rectangle's mask ------------------------------------------------------------------------------------
@@ -153,20 +159,37 @@ def chunk_positions(chunks: np.ndarray, chunk: int, lengths: np.ndarray) -> np.n
     return np.concatenate([np.arange(c * chunk, c * chunk + lengths[c]) for c in chunks])
 
 
-def square_positions(q_pos: np.ndarray, k_pos: np.ndarray, chunk: int, seq_len: int, same_tokens: bool
-                     ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(row positions [L], column positions [L], key offset) of the L-token square a rectangle runs as: queries
-    first, keys after them at a chunk boundary (unless they are the same tokens); `seq_len` marks a row or column
-    that is no token (it is allowed nothing)."""
+def _padded(chunks: np.ndarray, chunk: int, lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Positions of `chunks`, each chunk filling `chunk` rows (a short chunk's rest: `seq_len`, no token)."""
+    positions = np.full(len(chunks) * chunk, seq_len, dtype=np.int64)
+    for i, c in enumerate(chunks):
+        positions[i * chunk: i * chunk + lengths[c]] = np.arange(c * chunk, c * chunk + lengths[c])
+    return positions
+
+
+def square_positions(q_chunks: np.ndarray, k_chunks: np.ndarray, chunk: int, lengths: np.ndarray, seq_len: int,
+                     same_tokens: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row positions [L], column positions [L], query rows, key rows) of the L-token square a rectangle runs as:
+    every chunk at a chunk boundary, queries first and keys after them (unless they are the same tokens); a row or
+    column at `seq_len` is padding. The last chunk of the square is not padded (a short chunk there costs
+    nothing)."""
+    q_pos = _padded(q_chunks, chunk, lengths, seq_len)
     if same_tokens:
-        return q_pos, k_pos, 0
-    offset = -(-len(q_pos) // chunk) * chunk
-    length = offset + len(k_pos)
-    rows = np.full(length, seq_len, dtype=np.int64)
-    cols = np.full(length, seq_len, dtype=np.int64)
-    rows[: len(q_pos)] = q_pos
-    cols[offset:] = k_pos
-    return rows, cols, offset
+        rows = cols = q_pos
+    else:
+        k_pos = _padded(k_chunks, chunk, lengths, seq_len)
+        rows = np.concatenate([q_pos, np.full(len(k_pos), seq_len, dtype=np.int64)])
+        cols = np.concatenate([np.full(len(q_pos), seq_len, dtype=np.int64), k_pos])
+    end = len(rows) - (chunk - lengths[(k_chunks if not same_tokens else q_chunks)[-1]])
+    rows, cols = rows[:end], cols[:end]
+    return rows, cols, np.flatnonzero(rows < seq_len), np.flatnonzero(cols < seq_len)
+
+
+def as_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """A slice where `rows` are consecutive, else an int64 tensor on `device`."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1:
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.as_tensor(rows, device=device)
 
 
 def _global_tiles(positions: torch.Tensor, block: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +206,8 @@ def rectangle_mask(rules: Rules, layout: LayoutBatch, rows: np.ndarray, cols: np
     from ..plan import ruleless
 
     S, B, L = layout.seq_len, layout.batch_size, len(rows)
-    shapes = ruleless.tile_shapes(L, device, None, head_dim, dtype)
+    kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None  # (the CPU path takes any float)
+    shapes = ruleless.tile_shapes(L, device, None, head_dim, kernel_dtype)
     bad = [f"{m}x{n}" for m, n in shapes if chunk % m or chunk % n]
     if bad:
         raise ValueError(f"chunk={chunk} is not a multiple of the kernels' tile sizes ({', '.join(bad)}): plan the "
@@ -203,9 +227,21 @@ def rectangle_mask(rules: Rules, layout: LayoutBatch, rows: np.ndarray, cols: np
         local = (torch.arange(len(gq), device=device) * block_m)[:, None] - (torch.arange(len(gk), device=device)
                                                                              * block_n)[None, :]
         moved = (kinds == CAUSAL) & (local != row_pos[::block_m][:, None] - col_pos[::block_n][None, :])[None]
+        # A full or causal tile with padding among its rows or columns is partial here: bits leave the padding out
+        # (padding keys would otherwise take part in the softmax).
+        padded = _has_padding(row_pos, block_m, S)[:, None] | _has_padding(col_pos, block_n, S)[None, :]
+        moved |= ((kinds == FULL) | (kinds == CAUSAL)) & padded[None]
         kinds = torch.where(moved, torch.full_like(kinds, PARTIAL), kinds).contiguous()
         made.append(_shape_plan(rules, tables, kinds, row_pos, col_pos, block_m, block_n, S))
     return ruleless.ruleless_mask(made, B, L, True, device, "exact", made_by="omnigen.distributed")
+
+
+def _has_padding(positions: torch.Tensor, block: int, seq_len: int) -> torch.Tensor:
+    """bool per local tile of `block` tokens: some of its rows are padding (inside the square)."""
+    tiles = -(-len(positions) // block)
+    padded = torch.full((tiles * block,), False, device=positions.device)
+    padded[: len(positions)] = positions >= seq_len
+    return padded.view(tiles, block).any(1)
 
 
 def _tile_positions(positions: torch.Tensor, index: torch.Tensor, block: int, seq_len: int) -> torch.Tensor:
@@ -243,5 +279,5 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-__all__ = ["KernelRectangle", "ReferenceRectangle", "batched", "chunk_positions", "merge", "rectangle_mask",
-           "square_positions"]
+__all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "chunk_positions", "merge",
+           "rectangle_mask", "square_positions"]

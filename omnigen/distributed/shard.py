@@ -211,6 +211,9 @@ def plan_shards(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk % 16:
         raise ValueError(f"chunk must be a multiple of 16 tokens, not {chunk!r}")
     lengths = balance.chunk_lengths(S, chunk)
+    if S < 16 * world_size:
+        raise ValueError(f"a sequence of {S} tokens is too short for {world_size} ranks: each needs at least one "
+                         "chunk of 16 tokens")
     if len(lengths) < world_size:
         raise ValueError(f"{len(lengths)} chunks of {chunk} tokens cannot give each of {world_size} ranks one: "
                          f"pass a chunk of at most {max(16, (S // world_size) // 16 * 16)}")
