@@ -105,34 +105,41 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
     leaves = [x.requires_grad_() for x in (q, k, v)]
     started = time.perf_counter()
     scale = default_scale(args.dim, None)
-    work = rank_work(shard, rank, q, scale)
+    work = rank_work(shard, rank, q, scale, args.block_tokens)
     torch.cuda.synchronize()
     rectangles_s = time.perf_counter() - started
 
     def step():
         for x in leaves:
             x.grad = None
-        cp.attention(q, k, v, shard, rules).backward(d_out)
+        cp.attention(q, k, v, shard, rules, block_tokens=args.block_tokens).backward(d_out)
 
     dist.barrier()
     times = _time(step, args.reps)
     peak = _peak(step)
     # The rank's rectangles alone (no communication): the measured work of the rank.
-    received = [(s, torch.randn(2, 1, k.shape[1], s.tokens, args.dim, device=device, dtype=torch.bfloat16))
-                for s in work.sources]
+    pieces = [[tuple(torch.randn(1, k.shape[1], p.tokens, args.dim, device=device, dtype=torch.bfloat16)
+                     for _ in range(2)) for p in rnd.receives] for rnd in work.rounds]
+
+    def blocks():
+        for rnd, buffers in zip(work.rounds, pieces):
+            for piece, (kp, vp) in zip(rnd.receives, buffers):
+                for block in piece.blocks:
+                    yield block.rows, block.rectangle, kp, vp
 
     def compute_only():
         with torch.no_grad():
             out, lse = work.own.forward(q, k, v)
-            for s, buf in received:
-                s.rectangle.forward(q, buf[0], buf[1])
-            work.own.backward(d_out, q, k, v, out, lse)
-            for s, buf in received:
-                s.rectangle.backward(d_out, q, buf[0], buf[1], out, lse)
+            for rows, rectangle, kp, vp in blocks():
+                rectangle.forward(q[:, :, rows], kp, vp)
+            work.own.backward(d_out, q, k, v, out.to(q.dtype), lse)
+            for rows, rectangle, kp, vp in blocks():
+                rectangle.backward(d_out[:, :, rows], q[:, :, rows], kp, vp, out[:, :, rows].to(q.dtype),
+                                   lse[:, :, rows])
 
     compute = _time(compute_only, args.reps)
     # Agreement with the single GPU's result.
-    out = cp.attention(q, k, v, shard, rules)
+    out = cp.attention(q, k, v, shard, rules, block_tokens=args.block_tokens)
     for x in leaves:
         x.grad = None
     out.backward(d_out)
@@ -141,7 +148,8 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
            "compute_ms": statistics.median(compute), "peak_gib": peak, "tokens": shard.tokens(rank),
            "planned_work": float(shard.work[rank]), "work_max_over_mean": 1 + shard.imbalance,
            "received_tokens": int(shard.received_tokens[rank]), "plan_shards_s": planned_s,
-           "rectangles_s": rectangles_s, "chunk": shard.chunk}
+           "rectangles_s": rectangles_s, "chunk": shard.chunk, "block_tokens": args.block_tokens,
+           "rectangles": 1 + sum(len(p.blocks) for rnd in work.rounds for p in rnd.receives)}
     if rank == 0 and kept is not None:
         row["difference"] = {name: _difference(mine.cpu(), theirs)
                              for name, mine, theirs in zip(("out", "dq", "dk", "dv"), gathered, kept)}
@@ -211,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads-kv", type=int, default=0, help="key/value heads (default: --heads)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: plan_shards')")
+    parser.add_argument("--block-tokens", type=int, default=16384,
+                        help="tokens per moved piece of K/V and per block of queries (omnigen.distributed.attention)")
     parser.add_argument("--methods", nargs="+", default=["balanced", "zigzag", "even"])
     parser.add_argument("--world", type=int, default=0, help="GPUs (default: every visible one)")
     parser.add_argument("--reps", type=int, default=5)

@@ -1,22 +1,30 @@
 """`omnigen.distributed.attention`: one sequence's attention across the ranks of a process group.
 
-Each rank holds the queries, keys and values of its chunks (`Shard.scatter`). A call:
+Each rank holds the queries, keys and values of its chunks (`Shard.scatter`). Keys and values move as *pieces*:
+the chunks of rank A that rank B's queries need (only those the plan says have an allowed pair), cut into pieces
+of at most `block_tokens` tokens; round t moves piece t of every such stream. A call's forward:
 
-1. posts, in one batch of point-to-point operations, the keys/values of its chunks that other ranks' queries need
-   and the receives of the chunks its own queries need -- only those the plan says have an allowed pair;
-2. runs its queries against its own chunks while that traffic moves;
-3. runs them against each source rank's chunks and merges the partial results by their log-sum-exp.
+1. posts round 0 (one batch of point-to-point operations), then runs the rank's queries against its own chunks
+   while it moves;
+2. for each round: waits for it, posts the next, and runs blocks of `block_tokens` queries against each received
+   piece -- only the (block, piece) pairs with an allowed pair -- merging each partial result into the output by
+   its log-sum-exp, in place.
 
-The backward runs the same rectangles with the merged output and LSE (each rectangle's gradients are then exact
-pieces of the whole's), sends the dK/dV of received chunks back to their owners in one batch while the own
-rectangle's backward runs, and adds what comes back into the local dK/dV: a reduce-scatter restricted to the
-chunks that were sent. Transport is torch.distributed (NCCL on GPUs, gloo on CPUs); nothing else.
+The backward runs its own chunks' rectangle first while round 0 moves again (pieces are fetched again rather than
+kept: the memory of a rank's activations stays that of its own tokens), then each round's blocks with the merged
+output and LSE (so each block's gradients are exact pieces of the whole's); the dK/dV of a piece go back to its
+owner in the next batch and are added to the owner's dK/dV as they arrive: a reduce-scatter restricted to the chunks
+that moved. Every rectangle is a square of at most `block_tokens` tokens on each side, or the rank's own chunks:
+no padded copies of a rank's tensors, and the kernels' dQ accumulators stay block-sized. Transport is
+torch.distributed (NCCL on GPUs, gloo on CPUs); nothing else. Every rank posts its batches in the same order
+(fetch 0, fetch 1, return 0, fetch 2, return 1, ...), and each batch pairs with its peers' batches of the same
+place in that order, so no rank waits on a message that is not yet posted.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,38 +33,47 @@ import torch.distributed as dist
 
 from ..rules import Rules
 from .rectangle import (KernelRectangle, ReferenceRectangle, as_index, batched, chunk_positions, default_scale,
-                        merge, rectangle_mask, square_positions)
+                        merge_into, rectangle_mask, square_positions)
 from .shard import Shard
+
+BLOCK_TOKENS = 16384  # tokens per piece of keys/values and per block of queries (rounded to whole chunks)
 
 
 @dataclass
-class Source:
-    """The chunks rank `rank` receives from one other rank, and the rectangle its queries run on them."""
+class Block:
+    """A block of this rank's queries (local rows `rows`) against one received piece, and its rectangle."""
 
-    rank: int
-    tokens: int
+    rows: slice
     rectangle: Any
 
 
 @dataclass
-class Sink:
-    """The local rows (of this rank's chunks) that another rank's queries need."""
+class Piece:
+    """Chunks that move from one rank to another in one round. On the receiving side: the source and the blocks of
+    queries that read the piece; on the sending side: the destination and the local rows the piece is made of."""
 
-    rank: int
-    rows: torch.Tensor
+    peer: int
+    tokens: int
+    rows: torch.Tensor | None = None
+    blocks: list[Block] = field(default_factory=list)
+
+
+@dataclass
+class Round:
+    receives: list[Piece] = field(default_factory=list)
+    sends: list[Piece] = field(default_factory=list)
 
 
 @dataclass
 class RankWork:
-    """Everything one rank runs in a call: its own rectangle, one per source rank, and what it sends."""
+    """Everything one rank runs in a call: its own chunks' rectangle and the rounds of pieces."""
 
     own: Any
-    sources: list[Source]
-    sinks: list[Sink]
+    rounds: list[Round]
 
 
 def _make_rectangle(shard: Shard, layout, q_chunks: np.ndarray, k_chunks: np.ndarray, q: torch.Tensor,
-                    scale: float, same_tokens: bool, kernels: bool | None = None):
+                    scale: float, kernels: bool | None = None):
     """The rectangle of `q_chunks`' queries against `k_chunks`' keys: run by the kernels (CUDA tensors; `kernels`
     forces it, e.g. on the CPU, where the op's own PyTorch path reads the same mask) or by the reference."""
     if not (q.device.type == "cuda" if kernels is None else kernels):
@@ -65,8 +82,7 @@ def _make_rectangle(shard: Shard, layout, q_chunks: np.ndarray, k_chunks: np.nda
         return ReferenceRectangle(shard.rules, layout, q_pos, k_pos, scale)
     importlib.import_module("omnigen.op")  # registers torch.ops.omnigen.* and the kernels' tile shapes
 
-    rows, cols, q_rows, k_rows = square_positions(q_chunks, k_chunks, shard.chunk, shard.lengths, shard.seq_len,
-                                                  same_tokens)
+    rows, cols, q_rows, k_rows = square_positions(q_chunks, k_chunks, shard.chunk, shard.lengths, shard.seq_len)
 
     def kinds_of(block_m: int, block_n: int) -> torch.Tensor:
         key = ("kinds", str(q.device), layout.batch_size, block_m, block_n)
@@ -81,34 +97,49 @@ def _make_rectangle(shard: Shard, layout, q_chunks: np.ndarray, k_chunks: np.nda
     return KernelRectangle(mask, as_index(q_rows, q.device), as_index(k_rows, q.device), scale)
 
 
-def rank_work(shard: Shard, rank: int, q: torch.Tensor, scale: float) -> RankWork:
-    """The rectangles and messages of rank `rank` for inputs like `q` (cached on the shard per device, dtype, head
-    dim, batch and scale: planning the rectangles is done once)."""
-    key = ("work", rank, str(q.device), q.dtype, q.shape[0], q.shape[-1], scale)
+def _groups(chunks: np.ndarray, per_group: int) -> list[np.ndarray]:
+    return [chunks[i:i + per_group] for i in range(0, len(chunks), per_group)]
+
+
+def rank_work(shard: Shard, rank: int, q: torch.Tensor, scale: float, block_tokens: int = BLOCK_TOKENS) -> RankWork:
+    """The rectangles and rounds of rank `rank` for inputs like `q` (cached on the shard per device, dtype, head
+    dim, batch, scale and block size: the rectangles are planned once)."""
+    key = ("work", rank, str(q.device), q.dtype, q.shape[0], q.shape[-1], scale, block_tokens)
     found = shard._cache.get(key)
     if found is not None:
         return found
     layout = batched(shard.layout, q.shape[0])
+    per_group = max(1, block_tokens // shard.chunk)
     mine = shard.chunks(rank)
-    own = _make_rectangle(shard, layout, mine, mine, q, scale, same_tokens=True)
-    sources, sinks = [], []
+    offsets = np.concatenate([[0], np.cumsum(shard.lengths[mine])])
+    q_blocks = [(slice(int(offsets[i]), int(offsets[i + len(group)])), group)
+                for i, group in zip(range(0, len(mine), per_group), _groups(mine, per_group))]
+    rounds: list[Round] = []
+
+    def round_(t: int) -> Round:
+        while len(rounds) <= t:
+            rounds.append(Round())
+        return rounds[t]
+
     for step in range(1, shard.world_size):
-        source = (rank - step) % shard.world_size  # the ring order: every rank's sources in a different order
-        chunks = shard.needed_from(rank, source)
-        if len(chunks):
-            sources.append(Source(source, int(shard.lengths[chunks].sum()),
-                                  _make_rectangle(shard, layout, mine, chunks, q, scale, same_tokens=False)))
+        source = (rank - step) % shard.world_size  # ring order: ranks take their sources in different orders
+        for t, piece_chunks in enumerate(_groups(shard.needed_from(rank, source), per_group)):
+            piece = Piece(source, int(shard.lengths[piece_chunks].sum()))
+            for rows, q_chunks in q_blocks:
+                if shard.needs[np.ix_(q_chunks, piece_chunks)].any():
+                    piece.blocks.append(Block(rows, _make_rectangle(shard, layout, q_chunks, piece_chunks, q, scale)))
+            round_(t).receives.append(piece)
         target = (rank + step) % shard.world_size
-        wanted = shard.needed_from(target, rank)
-        if len(wanted):
-            sinks.append(Sink(target, torch.from_numpy(shard.local_rows(rank, wanted)).to(q.device)))
-    found = RankWork(own, sources, sinks)
+        for t, piece_chunks in enumerate(_groups(shard.needed_from(target, rank), per_group)):
+            rows = torch.from_numpy(shard.local_rows(rank, piece_chunks)).to(q.device)
+            round_(t).sends.append(Piece(target, len(rows), rows=rows))
+    found = RankWork(_make_rectangle(shard, layout, mine, mine, q, scale), rounds)
     shard._cache[key] = found
     return found
 
 
-def _exchange(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]], group) -> list:
-    """Post every send and receive as one batch of point-to-point operations; returns the requests to wait on."""
+def _post(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]], group) -> list:
+    """Post sends and receives as one batch of point-to-point operations; returns the requests to wait on."""
     def peer(rank: int) -> int:
         return dist.get_global_rank(group, rank) if group is not None else rank
 
@@ -132,54 +163,96 @@ class _Call:
     def __init__(self, work: RankWork, group) -> None:
         self.work, self.group = work, group
 
+    def _fetch(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
+        """Post round t's keys/values: (requests, [(k piece, v piece)] in the round's receive order)."""
+        rnd = self.work.rounds[t]
+        sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
+        pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
+                   v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
+        receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
+        return _post(sends, receives, self.group), pieces
+
     def forward(self, q, k, v):
         acc = _accumulator(q.dtype)
-        kv = torch.stack((k, v))  # [2, B, Hkv, tokens, D]: one message per peer
-        sends = [(sink.rank, kv.index_select(3, sink.rows)) for sink in self.work.sinks]
-        received = [kv.new_empty(2, k.shape[0], k.shape[1], source.tokens, k.shape[3]) for source in self.work.sources]
-        requests = _exchange(sends, [(s.rank, buf) for s, buf in zip(self.work.sources, received)], self.group)
+        rounds = self.work.rounds
+        pending = self._fetch(0, k, v) if rounds else None
         out, lse = self.work.own.forward(q, k, v)
-        out, lse = out.to(acc), lse.to(acc)
-        _wait(requests)
-        for source, buf in zip(self.work.sources, received):
-            part_out, part_lse = source.rectangle.forward(q, buf[0], buf[1])
-            out, lse = merge(out, lse, part_out.to(acc), part_lse.to(acc))
-        return out.to(q.dtype), lse, received
+        out, lse = out.to(acc), lse.to(acc).contiguous()
+        for t in range(len(rounds)):
+            requests, pieces = pending
+            _wait(requests)
+            pending = self._fetch(t + 1, k, v) if t + 1 < len(rounds) else None
+            for piece, (kp, vp) in zip(rounds[t].receives, pieces):
+                for block in piece.blocks:
+                    part_out, part_lse = block.rectangle.forward(q[:, :, block.rows], kp, vp)
+                    merge_into(out[:, :, block.rows], lse[:, :, block.rows], part_out.to(acc), part_lse.to(acc))
+        return out.to(q.dtype), lse
 
-    def backward(self, d_out, q, k, v, out, lse, received):
+    def backward(self, d_out, q, k, v, out, lse):
         acc = _accumulator(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        returned = []
-        for source, buf in zip(self.work.sources, received):
-            part_dq, part_dk, part_dv = source.rectangle.backward(d_out, q, buf[0], buf[1], out, lse)
-            dq += part_dq
-            returned.append((source.rank, torch.stack((part_dk.to(acc), part_dv.to(acc)))))
-        incoming = [(sink.rank, torch.empty(2, k.shape[0], k.shape[1], len(sink.rows), k.shape[3], dtype=acc,
-                                            device=k.device)) for sink in self.work.sinks]
-        requests = _exchange(returned, incoming, self.group)
-        own_dq, own_dk, own_dv = self.work.own.backward(d_out, q, k, v, out, lse)
-        dq += own_dq
-        dk, dv = own_dk.to(acc), own_dv.to(acc)
+        rounds = self.work.rounds
+        pending = self._fetch(0, k, v) if rounds else None
+        own_dq, dk, dv = self.work.own.backward(d_out, q, k, v, out, lse)
+        dq = own_dq.to(acc)
+        del own_dq
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+        returning = None  # (requests, [(rows, dk piece, dv piece)]) of the previous round's returns
+        for t in range(len(rounds)):
+            requests, pieces = pending
+            _wait(requests)
+            pending = self._fetch(t + 1, k, v) if t + 1 < len(rounds) else None
+            gradients = []
+            for piece, (kp, vp) in zip(rounds[t].receives, pieces):
+                dk_piece = torch.zeros(kp.shape, dtype=acc, device=kp.device)
+                dv_piece = torch.zeros(vp.shape, dtype=acc, device=vp.device)
+                for block in piece.blocks:
+                    rows = block.rows
+                    part_dq, part_dk, part_dv = block.rectangle.backward(
+                        d_out[:, :, rows], q[:, :, rows], kp, vp, out[:, :, rows], lse[:, :, rows])
+                    dq[:, :, rows] += part_dq
+                    dk_piece += part_dk
+                    dv_piece += part_dv
+                gradients.append((piece.peer, dk_piece.to(k.dtype), dv_piece.to(v.dtype)))
+            self._collect(returning, dk, dv)
+            returning = self._return(t, gradients, k)
+        self._collect(returning, dk, dv)
+        return dq.to(q.dtype), dk, dv
+
+    def _return(self, t: int, gradients: list, k: torch.Tensor):
+        """Post round t's dK/dV: those of the pieces this rank received go back to their owners; those of the pieces
+        it sent come back to it."""
+        sends = [(peer, x) for peer, dk_piece, dv_piece in gradients for x in (dk_piece, dv_piece)]
+        incoming = [(p.rows, torch.empty(k.shape[0], k.shape[1], p.tokens, k.shape[3], dtype=k.dtype, device=k.device),
+                     torch.empty(k.shape[0], k.shape[1], p.tokens, k.shape[3], dtype=k.dtype, device=k.device))
+                    for p in self.work.rounds[t].sends]
+        receives = [(p.peer, x) for p, (_, dk_in, dv_in) in zip(self.work.rounds[t].sends, incoming)
+                    for x in (dk_in, dv_in)]
+        return _post(sends, receives, self.group), incoming
+
+    @staticmethod
+    def _collect(returning, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        if returning is None:
+            return
+        requests, incoming = returning
         _wait(requests)
-        for sink, (_, buf) in zip(self.work.sinks, incoming):
-            dk.index_add_(2, sink.rows, buf[0])
-            dv.index_add_(2, sink.rows, buf[1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        for rows, dk_in, dv_in in incoming:
+            dk.index_add_(2, rows, dk_in)
+            dv.index_add_(2, rows, dv_in)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call):
-        out, lse, received = call.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse, *received)
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        q, k, v, out, lse, *received = ctx.saved_tensors
-        dq, dk, dv = ctx.call.backward(d_out.contiguous(), q, k, v, out, lse, received)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.call.backward(d_out.contiguous(), q, k, v, out, lse)
         return dq, dk, dv, None
 
 
@@ -235,12 +308,17 @@ def attention(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries over the whole sequence, differentiable: q [B, Hq, tokens, D] and k, v
     [B, Hkv, tokens, D] hold this rank's tokens (`shard.scatter`), the output is [B, Hq, tokens, D] in the same
     order (`shard.gather` puts the ranks' outputs back together). Every rank of `group` (default: the world) must
     call it with the same shard. CUDA tensors run the kernels (NCCL), CPU tensors the float64 reference (gloo).
-    `return_lse`: also the log-sum-exp [B, Hq, tokens] (float32; float64 for float64 inputs)."""
+    `return_lse`: also the log-sum-exp [B, Hq, tokens] (float32; float64 for float64 inputs). `block_tokens`: the
+    most tokens of keys/values moved in one piece and of queries run against it in one rectangle (whole chunks, at
+    least one): smaller blocks keep less in flight and overlap more, larger ones launch fewer kernels."""
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be a positive int, not {block_tokens!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("omnigen.distributed.attention needs a process group: torch.distributed."
                            "init_process_group(...) first (one process per rank)")
@@ -252,7 +330,7 @@ def attention(
     _check_inputs(q, k, v, shard, rules, rank)
     scale = default_scale(q.shape[-1], scale)
     _check_agreement(shard, group, q.device)
-    work = rank_work(shard, rank, q, scale)
+    work = rank_work(shard, rank, q, scale, block_tokens)
     out, lse = _Attention.apply(q, k, v, _Call(work, group))
     return (out, lse) if return_lse else out
 
@@ -297,9 +375,8 @@ def chunk_attention(
             raise ValueError(f"{name} must be [B, H, {tokens}, D] (the tokens of its chunks), not "
                              f"{list(getattr(x, 'shape', []))}")
     scale = default_scale(q.shape[-1], scale)
-    same = len(q_chunks) == len(kv_chunks) and bool((q_chunks == kv_chunks).all())
     layout = batched(shard.layout, q.shape[0])
-    rectangle = _make_rectangle(shard, layout, q_chunks, kv_chunks, q, scale, same_tokens=same)
+    rectangle = _make_rectangle(shard, layout, q_chunks, kv_chunks, q, scale)
     return _Rectangle.apply(q, k, v, rectangle)
 
 

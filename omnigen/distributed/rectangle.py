@@ -4,13 +4,12 @@ This is one rank's share of context-parallel attention (its queries against its 
 chunks another rank sent) and also chunked prefill against a KV cache. Two ways to run one rectangle:
 
 - `KernelRectangle` (CUDA): the rectangle is planned exactly, tile by tile, from the layout's own plan, and run by
-  the kernels as a mask made from data (`plan.ruleless`): a square problem of L tokens whose rows are the queries
-  (then, for keys from elsewhere, zero padding up to a chunk boundary) and whose columns are the keys. Rows of keys
-  and columns of queries are empty tiles the schedules never visit, so the kernels do the rectangle's work and
-  nothing else. A local tile maps to one tile of the whole sequence's plan, because chunks are multiples of every
-  tile dimension: its kind is that tile's kind (a causal tile keeps its diagonal: queries and keys of one chunk
-  sit at the same local offset), and a partial tile's bits are the rules evaluated at the tokens' sequence
-  positions (windows and causality included).
+  the kernels as a mask made from data (`plan.ruleless`): a square problem of L tokens whose row i is the i-th
+  query and whose column j is the j-th key (`square_positions`; the shorter side padded with zeros, tiles the
+  schedules never visit). A local tile maps to one tile of the whole sequence's plan, because chunks are
+  multiples of every tile dimension: its kind is that tile's kind (a causal tile keeps its diagonal only where
+  queries and keys sit as far apart locally as in the sequence, else it is partial), and a partial tile's bits are
+  the rules evaluated at the tokens' sequence positions (windows and causality included).
 - `ReferenceRectangle` (CPU): the same arithmetic in float64 (the rules' predicate at sequence positions, a dense
   softmax), for tests; its backward is the kernels' formula (P from the final LSE, delta from the final O), so
   the distributed code around it is the code the GPU runs.
@@ -42,14 +41,25 @@ def batched(layout: AnyLayout, batch: int) -> LayoutBatch:
     return layout
 
 
+def _weights(lse: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    total = torch.logaddexp(lse, part_lse)
+    finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    return torch.exp(lse - finite), torch.exp(part_lse - finite), total
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax results over two disjoint key sets merged into the result over their union (rows without keys in
     either: out 0, lse -inf, no NaN)."""
-    total = torch.logaddexp(lse, part_lse)
-    finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    keep, take = torch.exp(lse - finite), torch.exp(part_lse - finite)
+    keep, take, total = _weights(lse, part_lse)
     return out * keep[..., None] + part_out * take[..., None], total
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """`merge` written into `out` and `lse` (views of the accumulators): no result-sized temporaries but one."""
+    keep, take, total = _weights(lse, part_lse)
+    out.mul_(keep[..., None]).add_(part_out * take[..., None])
+    lse.copy_(total)
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -167,21 +177,20 @@ def _padded(chunks: np.ndarray, chunk: int, lengths: np.ndarray, seq_len: int) -
     return positions
 
 
-def square_positions(q_chunks: np.ndarray, k_chunks: np.ndarray, chunk: int, lengths: np.ndarray, seq_len: int,
-                     same_tokens: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(row positions [L], column positions [L], query rows, key rows) of the L-token square a rectangle runs as:
-    every chunk at a chunk boundary, queries first and keys after them (unless they are the same tokens); a row or
-    column at `seq_len` is padding. The last chunk of the square is not padded (a short chunk there costs
-    nothing)."""
-    q_pos = _padded(q_chunks, chunk, lengths, seq_len)
-    if same_tokens:
-        rows = cols = q_pos
-    else:
-        k_pos = _padded(k_chunks, chunk, lengths, seq_len)
-        rows = np.concatenate([q_pos, np.full(len(k_pos), seq_len, dtype=np.int64)])
-        cols = np.concatenate([np.full(len(q_pos), seq_len, dtype=np.int64), k_pos])
-    end = len(rows) - (chunk - lengths[(k_chunks if not same_tokens else q_chunks)[-1]])
-    rows, cols = rows[:end], cols[:end]
+def square_positions(q_chunks: np.ndarray, k_chunks: np.ndarray, chunk: int, lengths: np.ndarray,
+                     seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row positions [L], column positions [L], query rows, key rows) of the L-token square a rectangle runs as.
+
+    Row i is a query and column j a key; they need not be the same token, since a mask made from data says which
+    pairs are allowed (a causal tile keeps its diagonal only where row and column offsets match the sequence's).
+    So queries and keys share the square's indices, each chunk at a chunk boundary, and L is the longer of the two:
+    a rectangle of equal sides needs no padding and no copy. A row or column at `seq_len` is padding; the last
+    chunk of the longer side is not padded."""
+    rows = _padded(q_chunks, chunk, lengths, seq_len)
+    cols = _padded(k_chunks, chunk, lengths, seq_len)
+    length = max(len(rows) - (chunk - lengths[q_chunks[-1]]), len(cols) - (chunk - lengths[k_chunks[-1]]))
+    rows = np.concatenate([rows, np.full(max(0, length - len(rows)), seq_len, dtype=np.int64)])[:length]
+    cols = np.concatenate([cols, np.full(max(0, length - len(cols)), seq_len, dtype=np.int64)])[:length]
     return rows, cols, np.flatnonzero(rows < seq_len), np.flatnonzero(cols < seq_len)
 
 
@@ -280,4 +289,4 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 
 
 __all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "chunk_positions", "merge",
-           "rectangle_mask", "square_positions"]
+           "merge_into", "rectangle_mask", "square_positions"]
