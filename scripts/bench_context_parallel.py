@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads-kv", type=int, default=0, help="key/value heads (default: --heads)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: plan_shards')")
-    parser.add_argument("--block-tokens", type=int, default=16384,
+    parser.add_argument("--block-tokens", type=int, default=8192,
                         help="tokens per moved piece of K/V and per block of queries (omnigen.distributed.attention)")
     parser.add_argument("--methods", nargs="+", default=["balanced", "zigzag", "even"])
     parser.add_argument("--world", type=int, default=0, help="GPUs (default: every visible one)")

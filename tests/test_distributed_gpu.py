@@ -76,10 +76,11 @@ def _two_gpu_worker(rank: int, world: int, port: int, queue) -> None:
         q, k, v, d_out = (torch.randn(1, h, S, 128, generator=g, device="cuda", dtype=torch.bfloat16)
                           for h in (4, 2, 2, 4))
         results = []
-        for method in ("balanced", "even"):
+        # several rounds of pieces and blocks of queries (256 tokens), and one piece per stream
+        for method, block_tokens in (("balanced", 256), ("even", 1 << 20)):
             shard = plan_shards(rules, layout, world, chunk=128, method=method)
             ql, kl, vl = (shard.scatter(x).detach().requires_grad_() for x in (q, k, v))
-            out = attention(ql, kl, vl, shard, rules)
+            out = attention(ql, kl, vl, shard, rules, block_tokens=block_tokens)
             out.backward(shard.scatter(d_out))
             results.append([shard.gather(x) for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
         if rank == 0:

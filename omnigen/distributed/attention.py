@@ -36,7 +36,7 @@ from .rectangle import (KernelRectangle, ReferenceRectangle, as_index, batched, 
                         merge_into, rectangle_mask, square_positions)
 from .shard import Shard
 
-BLOCK_TOKENS = 16384  # tokens per piece of keys/values and per block of queries (rounded to whole chunks)
+BLOCK_TOKENS = 8192  # tokens per piece of keys/values and per block of queries (rounded to whole chunks)
 
 
 @dataclass
@@ -203,16 +203,20 @@ class _Call:
             pending = self._fetch(t + 1, k, v) if t + 1 < len(rounds) else None
             gradients = []
             for piece, (kp, vp) in zip(rounds[t].receives, pieces):
-                dk_piece = torch.zeros(kp.shape, dtype=acc, device=kp.device)
-                dv_piece = torch.zeros(vp.shape, dtype=acc, device=vp.device)
+                dk_piece = dv_piece = None  # summed in `acc` over the piece's blocks (the first one's as it comes)
                 for block in piece.blocks:
                     rows = block.rows
                     part_dq, part_dk, part_dv = block.rectangle.backward(
                         d_out[:, :, rows], q[:, :, rows], kp, vp, out[:, :, rows], lse[:, :, rows])
                     dq[:, :, rows] += part_dq
-                    dk_piece += part_dk
-                    dv_piece += part_dv
-                gradients.append((piece.peer, dk_piece.to(k.dtype), dv_piece.to(v.dtype)))
+                    if dk_piece is None:
+                        dk_piece, dv_piece = part_dk, part_dv
+                    else:
+                        dk_piece = dk_piece.to(acc) + part_dk
+                        dv_piece = dv_piece.to(acc) + part_dv
+                if dk_piece is None:  # no block of queries reads it (a piece only moves when some block does)
+                    dk_piece, dv_piece = torch.zeros_like(kp), torch.zeros_like(vp)
+                gradients.append((piece.peer, dk_piece.to(k.dtype).contiguous(), dv_piece.to(v.dtype).contiguous()))
             self._collect(returning, dk, dv)
             returning = self._return(t, gradients, k)
         self._collect(returning, dk, dv)

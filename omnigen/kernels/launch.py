@@ -198,6 +198,7 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     d_out = kernel_ready(d_out)
+    lse = lse.contiguous()  # the kernels index it as [B, Hq, S] with no strides (a slice of a longer one is not)
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
     launch_delta(module, out, d_out, delta)
     dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)

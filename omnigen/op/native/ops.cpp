@@ -203,7 +203,7 @@ at::Tensor dq_ranks(at::TensorList plan, int64_t batch, int64_t q_tiles, int64_t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& d_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse, at::TensorList schedules, c10::SymIntArrayRef tiles,
+    const at::Tensor& out_in, const at::Tensor& lse_in, at::TensorList schedules, c10::SymIntArrayRef tiles,
     const at::Tensor& token_segment, const at::Tensor& token_modality, const at::Tensor& token_doc,
     c10::string_view kernel, double scale, bool deterministic) {
   const c10::DeviceGuard guard(q_in.device());
@@ -211,6 +211,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::TensorList plan = schedules_for(schedules, tiles, choice);
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   const at::Tensor out = kernel_ready(out_in), d_out = kernel_ready(d_out_in);
+  const at::Tensor lse = lse_in.contiguous();  // the kernels index it as [B, Hq, S] with no strides
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
   const uintptr_t stream = current_stream(q);
