@@ -157,24 +157,65 @@ def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device):
+    """The CUDA stream fetches are posted from (one per device): the keys/values they send are ready when a call
+    starts, so their transfers need not queue behind the call's own kernels, as they would when posted from the
+    compute stream (NCCL waits for the stream it is called from)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class _Call:
     """One call's forward and backward (the work of this rank, the process group)."""
 
-    def __init__(self, work: RankWork, group) -> None:
+    def __init__(self, work: RankWork, group, device: torch.device) -> None:
         self.work, self.group = work, group
+        self.side = _side_stream(device) if device.type == "cuda" else None
+        self._in_flight: list[tuple[list, list]] = []  # posted fetches: (requests, the tensors they send)
+
+    def _begin(self) -> None:
+        if self.side is not None:  # k and v come from the compute stream
+            self.side.wait_stream(torch.cuda.current_stream())
+
+    def _retire(self, keep: int) -> None:
+        """Let the side stream wait for all but the last `keep` posted fetches, then drop their send buffers (their
+        memory is the side stream's to reuse only once the transfers that read it are done)."""
+        while len(self._in_flight) > keep:
+            requests, _ = self._in_flight.pop(0)
+            if self.side is not None:
+                with torch.cuda.stream(self.side):
+                    _wait(requests)
 
     def _fetch(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
         """Post round t's keys/values: (requests, [(k piece, v piece)] in the round's receive order)."""
         rnd = self.work.rounds[t]
-        sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
-        pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
-                   v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
-        receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
-        return _post(sends, receives, self.group), pieces
+        if self.side is None:
+            sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
+            pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
+                       v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
+            receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
+            return _post(sends, receives, self.group), pieces
+        self._retire(keep=1)
+        compute = torch.cuda.current_stream()
+        with torch.cuda.stream(self.side):
+            sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
+            pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
+                       v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
+            receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
+            requests = _post(sends, receives, self.group)
+        for _, x in receives:
+            x.record_stream(compute)  # read there: not reused before the compute stream is done with it
+        self._in_flight.append((requests, sends))
+        return requests, pieces
 
     def forward(self, q, k, v):
         acc = _accumulator(q.dtype)
         rounds = self.work.rounds
+        self._begin()
         pending = self._fetch(0, k, v) if rounds else None
         out, lse = self.work.own.forward(q, k, v)
         out, lse = out.to(acc), lse.to(acc).contiguous()
@@ -186,11 +227,13 @@ class _Call:
                 for block in piece.blocks:
                     part_out, part_lse = block.rectangle.forward(q[:, :, block.rows], kp, vp)
                     merge_into(out[:, :, block.rows], lse[:, :, block.rows], part_out.to(acc), part_lse.to(acc))
+        self._retire(keep=0)
         return out.to(q.dtype), lse
 
     def backward(self, d_out, q, k, v, out, lse):
         acc = _accumulator(q.dtype)
         rounds = self.work.rounds
+        self._begin()
         pending = self._fetch(0, k, v) if rounds else None
         own_dq, dk, dv = self.work.own.backward(d_out, q, k, v, out, lse)
         dq = own_dq.to(acc)
@@ -220,6 +263,7 @@ class _Call:
             self._collect(returning, dk, dv)
             returning = self._return(t, gradients, k)
         self._collect(returning, dk, dv)
+        self._retire(keep=0)
         return dq.to(q.dtype), dk, dv
 
     def _return(self, t: int, gradients: list, k: torch.Tensor):
@@ -335,7 +379,7 @@ def attention(
     scale = default_scale(q.shape[-1], scale)
     _check_agreement(shard, group, q.device)
     work = rank_work(shard, rank, q, scale, block_tokens)
-    out, lse = _Attention.apply(q, k, v, _Call(work, group))
+    out, lse = _Attention.apply(q, k, v, _Call(work, group, q.device))
     return (out, lse) if return_lse else out
 
 
