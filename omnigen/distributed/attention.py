@@ -226,7 +226,7 @@ class _Call:
             for piece, (kp, vp) in zip(rounds[t].receives, pieces):
                 for block in piece.blocks:
                     part_out, part_lse = block.rectangle.forward(q[:, :, block.rows], kp, vp)
-                    merge_into(out[:, :, block.rows], lse[:, :, block.rows], part_out.to(acc), part_lse.to(acc))
+                    merge_into(out[:, :, block.rows], lse[:, :, block.rows], part_out, part_lse.to(acc))
         self._retire(keep=0)
         return out.to(q.dtype), lse
 
@@ -246,19 +246,21 @@ class _Call:
             pending = self._fetch(t + 1, k, v) if t + 1 < len(rounds) else None
             gradients = []
             for piece, (kp, vp) in zip(rounds[t].receives, pieces):
-                dk_piece = dv_piece = None  # summed in `acc` over the piece's blocks (the first one's as it comes)
+                # dK/dV of the piece: one block's as it comes, else summed in `acc` in place
+                several = len(piece.blocks) > 1
+                dk_piece, dv_piece = ((torch.zeros(x.shape, dtype=acc, device=x.device) for x in (kp, vp)) if several
+                                      else (torch.zeros_like(kp), torch.zeros_like(vp)) if not piece.blocks
+                                      else (None, None))
                 for block in piece.blocks:
                     rows = block.rows
                     part_dq, part_dk, part_dv = block.rectangle.backward(
                         d_out[:, :, rows], q[:, :, rows], kp, vp, out[:, :, rows], lse[:, :, rows])
                     dq[:, :, rows] += part_dq
-                    if dk_piece is None:
-                        dk_piece, dv_piece = part_dk, part_dv
+                    if several:
+                        dk_piece += part_dk
+                        dv_piece += part_dv
                     else:
-                        dk_piece = dk_piece.to(acc) + part_dk
-                        dv_piece = dv_piece.to(acc) + part_dv
-                if dk_piece is None:  # no block of queries reads it (a piece only moves when some block does)
-                    dk_piece, dv_piece = torch.zeros_like(kp), torch.zeros_like(vp)
+                        dk_piece, dv_piece = part_dk, part_dv
                 gradients.append((piece.peer, dk_piece.to(k.dtype).contiguous(), dv_piece.to(v.dtype).contiguous()))
             self._collect(returning, dk, dv)
             returning = self._return(t, gradients, k)

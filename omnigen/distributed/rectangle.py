@@ -56,9 +56,10 @@ def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """`merge` written into `out` and `lse` (views of the accumulators): no result-sized temporaries but one."""
+    """`merge` written into `out` and `lse` (views of the accumulators), in two passes over `out` and no
+    output-sized temporary (part_out may be of a narrower dtype: it is widened as it is read)."""
     keep, take, total = _weights(lse, part_lse)
-    out.mul_(keep[..., None]).add_(part_out * take[..., None])
+    out.mul_(keep[..., None]).addcmul_(part_out, take[..., None])
     lse.copy_(total)
 
 
