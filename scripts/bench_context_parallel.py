@@ -116,6 +116,12 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
 
     dist.barrier()
     times = _time(step, args.reps)
+    # host time to enqueue one step (no sync at its end): near the step time means the host, not the GPU, paces it
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    step()
+    enqueue_ms = (time.perf_counter() - started) * 1e3
+    torch.cuda.synchronize()
     peak = _peak(step)
     # The rank's rectangles alone (no communication): the measured work of the rank.
     pieces = [[tuple(torch.randn(1, k.shape[1], p.tokens, args.dim, device=device, dtype=torch.bfloat16)
@@ -145,7 +151,7 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
     out.backward(d_out)
     gathered = [shard.gather(x) for x in (out.detach(), q.grad, k.grad, v.grad)]
     row = {"method": method, "rank": rank, "ms": statistics.median(times), "times_ms": times,
-           "compute_ms": statistics.median(compute), "peak_gib": peak, "tokens": shard.tokens(rank),
+           "compute_ms": statistics.median(compute), "enqueue_ms": enqueue_ms, "peak_gib": peak, "tokens": shard.tokens(rank),
            "planned_work": float(shard.work[rank]), "work_max_over_mean": 1 + shard.imbalance,
            "received_tokens": int(shard.received_tokens[rank]), "plan_shards_s": planned_s,
            "rectangles_s": rectangles_s, "chunk": shard.chunk, "block_tokens": args.block_tokens,
@@ -206,7 +212,8 @@ def _print(report: dict) -> None:
               f"{max(r['received_tokens'] for r in rows)} | {rel} |")
     for method, rows in report["methods"].items():
         print(method, "per rank ms:", [round(r["ms"], 1) for r in rows], "compute ms:",
-              [round(r["compute_ms"], 1) for r in rows], "max abs:",
+              [round(r["compute_ms"], 1) for r in rows], "enqueue ms:", [round(r["enqueue_ms"], 1) for r in rows],
+              "rectangles:", [r["rectangles"] for r in rows], "max abs:",
               {n: round(d["max_abs"], 4) for n, d in rows[0].get("difference", {}).items()})
 
 
