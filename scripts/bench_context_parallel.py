@@ -90,6 +90,40 @@ def _single_gpu(args, rules, layout, device):
     return result, kept
 
 
+def _profile(step) -> dict:
+    """One step under torch.profiler: GPU time by kernel family (attention, NCCL, the rest), and the time no
+    kernel ran on the device, against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - started) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    families: dict[str, float] = {}
+    for e in kernels:
+        name = e.name.lower()
+        family = ("nccl" if "nccl" in name else "attention" if ("omnigen" in name or "hopper" in name or "flash" in name
+                  or "attn" in name or "fwd" in name or "bwd" in name) else "other")
+        families[family] = families.get(family, 0.0) + e.device_time / 1e3
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
+    busy, end = 0.0, None
+    for start, stop in spans:  # union of the non-NCCL kernels' intervals (us)
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.device_time / 1e3
+    return {"wall_ms": wall, "kernel_ms_by_family": families, "compute_busy_ms": busy / 1e3,
+            "top": sorted(top.items(), key=lambda kv: -kv[1])[:12]}
+
+
 def _distributed(args, rules, layout, rank, world, device, method, kept):
     import omnigen.distributed as cp
     from omnigen.distributed.attention import rank_work
@@ -144,6 +178,7 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
                                    lse[:, :, rows])
 
     compute = _time(compute_only, args.reps)
+    profile = _profile(step) if args.profile else None
     # Agreement with the single GPU's result.
     out = cp.attention(q, k, v, shard, rules, block_tokens=args.block_tokens)
     for x in leaves:
@@ -155,7 +190,7 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
            "planned_work": float(shard.work[rank]), "work_max_over_mean": 1 + shard.imbalance,
            "received_tokens": int(shard.received_tokens[rank]), "plan_shards_s": planned_s,
            "rectangles_s": rectangles_s, "chunk": shard.chunk, "block_tokens": args.block_tokens,
-           "rectangles": 1 + sum(len(p.blocks) for rnd in work.rounds for p in rnd.receives)}
+           "rectangles": 1 + sum(len(p.blocks) for rnd in work.rounds for p in rnd.receives), "profile": profile}
     if rank == 0 and kept is not None:
         row["difference"] = {name: _difference(mine.cpu(), theirs)
                              for name, mine, theirs in zip(("out", "dq", "dk", "dv"), gathered, kept)}
@@ -211,6 +246,9 @@ def _print(report: dict) -> None:
               f"{max(compute) / statistics.mean(compute):.3f} | {peak:.2f} ({peak / single['peak_gib']:.2f}x) | "
               f"{max(r['received_tokens'] for r in rows)} | {rel} |")
     for method, rows in report["methods"].items():
+        for r in rows:
+            if r.get("profile"):
+                print(method, "rank", r["rank"], "profile:", json.dumps({k: v for k, v in r["profile"].items()}))
         print(method, "per rank ms:", [round(r["ms"], 1) for r in rows], "compute ms:",
               [round(r["compute_ms"], 1) for r in rows], "enqueue ms:", [round(r["enqueue_ms"], 1) for r in rows],
               "rectangles:", [r["rectangles"] for r in rows], "max abs:",
@@ -233,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per rank (torch.profiler)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA GPUs", file=sys.stderr)
