@@ -153,6 +153,12 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
+def _tokens_major(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] as a dense [B, S, H, D] message: no copy when x is already laid out heads-inner (the kernels'
+    outputs are)."""
+    return x.transpose(1, 2).contiguous()
+
+
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -246,22 +252,24 @@ class _Call:
             pending = self._fetch(t + 1, k, v) if t + 1 < len(rounds) else None
             gradients = []
             for piece, (kp, vp) in zip(rounds[t].receives, pieces):
-                # dK/dV of the piece: one block's as it comes, else summed in `acc` in place
-                several = len(piece.blocks) > 1
-                dk_piece, dv_piece = ((torch.zeros(x.shape, dtype=acc, device=x.device) for x in (kp, vp)) if several
-                                      else (torch.zeros_like(kp), torch.zeros_like(vp)) if not piece.blocks
-                                      else (None, None))
+                # dK/dV of the piece: one block's as it comes, else summed in `acc` in place (in the layout the
+                # kernels return, so the sums run as contiguous passes)
+                dk_piece = dv_piece = None
                 for block in piece.blocks:
                     rows = block.rows
                     part_dq, part_dk, part_dv = block.rectangle.backward(
                         d_out[:, :, rows], q[:, :, rows], kp, vp, out[:, :, rows], lse[:, :, rows])
                     dq[:, :, rows] += part_dq
-                    if several:
+                    if dk_piece is None:
+                        dk_piece, dv_piece = part_dk, part_dv
+                    else:
+                        if dk_piece.dtype != acc:
+                            dk_piece, dv_piece = dk_piece.to(acc), dv_piece.to(acc)
                         dk_piece += part_dk
                         dv_piece += part_dv
-                    else:
-                        dk_piece, dv_piece = part_dk, part_dv
-                gradients.append((piece.peer, dk_piece.to(k.dtype).contiguous(), dv_piece.to(v.dtype).contiguous()))
+                if dk_piece is None:  # (a piece moves only when some block reads it)
+                    dk_piece, dv_piece = torch.zeros_like(kp), torch.zeros_like(vp)
+                gradients.append((piece.peer, _tokens_major(dk_piece.to(k.dtype)), _tokens_major(dv_piece.to(v.dtype))))
             self._collect(returning, dk, dv)
             returning = self._return(t, gradients, k)
         self._collect(returning, dk, dv)
@@ -272,8 +280,8 @@ class _Call:
         """Post round t's dK/dV: those of the pieces this rank received go back to their owners; those of the pieces
         it sent come back to it."""
         sends = [(peer, x) for peer, dk_piece, dv_piece in gradients for x in (dk_piece, dv_piece)]
-        incoming = [(p.rows, torch.empty(k.shape[0], k.shape[1], p.tokens, k.shape[3], dtype=k.dtype, device=k.device),
-                     torch.empty(k.shape[0], k.shape[1], p.tokens, k.shape[3], dtype=k.dtype, device=k.device))
+        incoming = [(p.rows, torch.empty(k.shape[0], p.tokens, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device),
+                     torch.empty(k.shape[0], p.tokens, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device))
                     for p in self.work.rounds[t].sends]
         receives = [(p.peer, x) for p, (_, dk_in, dv_in) in zip(self.work.rounds[t].sends, incoming)
                     for x in (dk_in, dv_in)]
@@ -285,9 +293,9 @@ class _Call:
             return
         requests, incoming = returning
         _wait(requests)
-        for rows, dk_in, dv_in in incoming:
-            dk.index_add_(2, rows, dk_in)
-            dv.index_add_(2, rows, dv_in)
+        for rows, dk_in, dv_in in incoming:  # [B, tokens, H, D], as they were sent
+            dk.transpose(1, 2).index_add_(1, rows, dk_in)
+            dv.transpose(1, 2).index_add_(1, rows, dv_in)
 
 
 class _Attention(torch.autograd.Function):
