@@ -299,19 +299,23 @@ class _Call:
 
 
 class _Attention(torch.autograd.Function):
+    """Autograd around anything with forward(q, k, v) -> (out, lse) and backward(d_out, q, k, v, out, lse) ->
+    (dq, dk, dv) that takes the merged out and lse: a call of this module (`_Call`) or one rectangle."""
+
     @staticmethod
-    def forward(ctx, q, k, v, call):
-        out, lse = call.forward(q, k, v)
+    def forward(ctx, q, k, v, runner):
+        out, lse = runner.forward(q, k, v)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
+        ctx.runner = runner
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.call.backward(d_out.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None
+        dq, dk, dv = ctx.runner.backward(d_out.contiguous(), q, k, v, out, lse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def _check_agreement(shard: Shard, group, device: torch.device) -> None:
@@ -393,23 +397,6 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-class _Rectangle(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, rectangle):
-        out, lse = rectangle.forward(q, k, v)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.rectangle = rectangle
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, _d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.rectangle.backward(d_out.contiguous(), q, k, v, out, lse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 def chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -435,7 +422,7 @@ def chunk_attention(
     scale = default_scale(q.shape[-1], scale)
     layout = batched(shard.layout, q.shape[0])
     rectangle = _make_rectangle(shard, layout, q_chunks, kv_chunks, q, scale)
-    return _Rectangle.apply(q, k, v, rectangle)
+    return _Attention.apply(q, k, v, rectangle)
 
 
 def _chunk_ids(chunks: Any, shard: Shard, name: str) -> np.ndarray:
