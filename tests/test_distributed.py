@@ -217,3 +217,31 @@ def test_plan_shards_balances_and_explains():
         plan_shards(rules, omnigen.Layout.parse("text:1000"), 64, chunk=16)
     with pytest.raises(RuntimeError, match="init_process_group"):
         omnigen.distributed.attention(x, x, x, balanced, rules)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_chunk_work_sums_the_plans_tiles(data):
+    """balance.chunk_work (band by band, no schedules) against the plan's dense tile kinds summed per chunk pair."""
+    from omnigen.distributed import balance
+
+    rules = data.draw(strategies.rules())
+    layout = data.draw(st.one_of(strategies.layouts(rules, max_length=60),
+                                 st.lists(strategies.layouts(rules, max_segments=3, max_length=20), min_size=2,
+                                          max_size=3).map(lambda items: omnigen.Layout.batch(
+                                              [x.pad_end(max(i.seq_len for i in items)) for x in items]))))
+    chunk = data.draw(st.sampled_from((16, 32, 48, 64)))
+    work, needs = balance.chunk_work(rules, layout, chunk)
+    tile = balance.planning_tile(chunk)
+    kinds = omnigen.plan(rules, layout, tile, tile, device="cpu").kinds.numpy()
+    kinds = kinds if kinds.ndim == 3 else kinds[None]
+    cost = np.array([balance.TILE_COST[k] for k in range(4)])
+    per = chunk // tile
+    n = -(-layout.seq_len // chunk)
+    expected = np.zeros((n, n))
+    touched = np.zeros((n, n), dtype=bool)
+    for b, i, j in zip(*np.nonzero(kinds)):
+        expected[i // per, j // per] += cost[kinds[b, i, j]]
+        touched[i // per, j // per] = True
+    np.testing.assert_allclose(work, expected, rtol=1e-12)
+    assert np.array_equal(needs, touched)

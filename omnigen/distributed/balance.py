@@ -49,29 +49,16 @@ def chunk_work(rules: Rules, layout: AnyLayout, chunk: int,
                tile_cost: Mapping[int, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(work float64 [n, n], needs bool [n, n]) over the n chunks, summed over the batch: work[i, j] is the weighted
     tile count of query chunk i against key chunk j in the exact plan; needs[i, j] whether any of their pairs is
-    allowed (chunk i's queries then need chunk j's keys and values)."""
-    from ..plan import plan as make_plan
+    allowed (chunk i's queries then need chunk j's keys and values). The host planner's tiles are classified a
+    band at a time and summed per chunk pair as they come: no schedules, no [nq, nk] grid."""
+    from ..plan import host
 
     cost = dict(TILE_COST)
     cost.update(tile_cost or {})
-    lookup = np.array([cost[EMPTY], cost[FULL], cost[CAUSAL], cost[PARTIAL]], dtype=np.float32)
+    lookup = np.array([cost[EMPTY], cost[FULL], cost[CAUSAL], cost[PARTIAL]], dtype=np.float64)
     tile = planning_tile(chunk)
-    per_chunk = chunk // tile
-    found = make_plan(rules, layout, tile, tile, device="cpu")
-    kinds = found.kinds.numpy()
-    if kinds.ndim == 2:
-        kinds = kinds[None]
-    B, nq, nk = kinds.shape
-    n = -(-layout.seq_len // chunk)
-    starts = np.arange(0, nk, per_chunk)  # each key chunk's first tile column
-    work = np.zeros((n, n), dtype=np.float64)
-    needs = np.zeros((n, n), dtype=bool)
-    for b in range(B):
-        for i in range(n):
-            rows = kinds[b, i * per_chunk:(i + 1) * per_chunk]
-            work[i] += np.add.reduceat(lookup[rows].sum(0, dtype=np.float64), starts)
-            needs[i] |= np.add.reduceat((rows != EMPTY).sum(0), starts) > 0
-    return work, needs
+    problem = host._Problem(rules, host._CpuTables.of(layout.host_tables(rules)), tile, tile)
+    return host.problem_cell_sums(problem, chunk // tile, chunk // tile, lookup)
 
 
 def rank_sizes(chunks: int, world_size: int) -> np.ndarray:

@@ -700,6 +700,32 @@ def problem_kind_cells(problem: _Problem, elements: int, row_factor: int, col_fa
     return cells.kinds()
 
 
+def problem_cell_sums(problem: _Problem, row_factor: int, col_factor: int, cost: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Per cell of row_factor x col_factor tiles, summed over the batch: (float64 [nq', nk'] the sum of
+    cost[kind] over its tiles, bool [nq', nk'] whether any of its tiles is not empty). Classified a band of q-tile
+    rows at a time like `problem_kind_cells`, without schedules (what balancing context-parallel chunks reads)."""
+    nq, nk = problem.nq, problem.nk
+    rows_out, cols_out = -(-nq // row_factor), -(-nk // col_factor)
+    sums = np.zeros((rows_out, cols_out), dtype=np.float64)
+    touched = np.zeros((rows_out, cols_out), dtype=bool)
+    for ra, rb in problem.bands():
+        grid, j0 = problem.classify(ra, rb, narrow=True)
+        if grid.shape[1] == 0:
+            continue
+        lead = j0 % col_factor  # widen the band's columns to whole cells
+        trail = -(lead + grid.shape[1]) % col_factor
+        first = j0 // col_factor
+        values = np.pad(cost[grid], ((0, 0), (lead, trail))).reshape(grid.shape[0], -1, col_factor).sum(2)
+        visited = np.pad(grid != EMPTY, ((0, 0), (lead, trail))).reshape(grid.shape[0], -1, col_factor).any(2)
+        cell_row = (np.arange(ra, rb) % nq) // row_factor
+        starts = np.flatnonzero(np.r_[True, cell_row[1:] != cell_row[:-1]])  # runs of rows in one cell row
+        span = slice(first, first + values.shape[1])
+        np.add.at(sums[:, span], cell_row[starts], np.add.reduceat(values, starts, axis=0))
+        np.logical_or.at(touched[:, span], cell_row[starts], np.logical_or.reduceat(visited, starts, axis=0))
+    return sums, touched
+
+
 def schedule_kind_cells(fwd_ptr: np.ndarray, fwd_kv: np.ndarray, nq: int, nk: int, elements: int,
                         row_factor: int, col_factor: int) -> np.ndarray:
     """`KindCells.kinds()` of the first `elements` batch elements of a forward schedule."""
