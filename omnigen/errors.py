@@ -6,16 +6,22 @@ from __future__ import annotations
 class InputError(ValueError, TypeError):
     """Every problem found in one call's arguments (`problems`), reported in one message.
 
-    Both a ValueError and a TypeError, so code that catches either kind of bad argument catches it."""
+    Both a ValueError and a TypeError, so code that catches either kind of bad argument catches it. Made as
+    `InputError(problems)`: the list is the exception's one argument and the message is formatted when shown, with
+    no `__init__` of its own, so that TorchDynamo can trace the raise inside a compiled function and shows the
+    problems (an `__init__` calling `super().__init__` made it report its own tracing failure instead)."""
 
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        if len(self.problems) == 1:
-            message = self.problems[0]
-        else:
-            message = f"{len(self.problems)} problems with these arguments: " + "; ".join(
-                f"({i}) {text}" for i, text in enumerate(self.problems, 1))
-        super().__init__(message)
+    @property
+    def problems(self) -> list[str]:
+        found = self.args[0] if self.args else []
+        return [found] if isinstance(found, str) else list(found)
+
+    def __str__(self) -> str:
+        problems = self.problems
+        if len(problems) == 1:
+            return problems[0]
+        return f"{len(problems)} problems with these arguments: " + "; ".join(
+            f"({i}) {text}" for i, text in enumerate(problems, 1))
 
 
 def type_name(value: object) -> str:

@@ -167,3 +167,24 @@ def test_attention_rejects_what_was_not_built():
         omnigen.attention(q, k, v, "audio:20", RULES)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         omnigen.attention(torch.cat([q, q[:, :1]], 1), k, v, layout, RULES)  # 3 q heads, 2 kv heads
+
+
+def test_input_errors_keep_their_message_under_compile_and_pickle():
+    """InputError has no __init__ of its own: TorchDynamo traces the raise and shows the problems (it used to report
+    its own failure to trace `super().__init__`), and the error pickles (worker processes send it)."""
+    import pickle
+
+    rules = omnigen.Rules.load("examples/rules/transfusion.yaml")
+    q = torch.randn(1, 2, 64, 16)  # head dim 16: not built
+
+    def call(x):
+        return omnigen.attention(x, x, x, "text:64", rules)
+
+    with pytest.raises(Exception, match="head dim 16 is not one omnigen builds"):
+        torch.compile(call, fullgraph=True, backend="eager")(q)
+    error = omnigen.InputError(["first problem", "second problem"])
+    again = pickle.loads(pickle.dumps(error))
+    assert isinstance(again, ValueError) and isinstance(again, TypeError)
+    assert again.problems == ["first problem", "second problem"]
+    assert str(again) == "2 problems with these arguments: (1) first problem; (2) second problem"
+    assert str(omnigen.InputError(["only one"])) == "only one"
