@@ -704,25 +704,35 @@ def problem_cell_sums(problem: _Problem, row_factor: int, col_factor: int, cost:
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Per cell of row_factor x col_factor tiles, summed over the batch: (float64 [nq', nk'] the sum of
     cost[kind] over its tiles, bool [nq', nk'] whether any of its tiles is not empty). Classified a band of q-tile
-    rows at a time like `problem_kind_cells`, without schedules (what balancing context-parallel chunks reads)."""
+    rows at a time like `problem_kind_cells`, without schedules, and summed in slices of at most 2^23 tiles (what
+    balancing context-parallel chunks reads)."""
     nq, nk = problem.nq, problem.nk
-    rows_out, cols_out = -(-nq // row_factor), -(-nk // col_factor)
-    sums = np.zeros((rows_out, cols_out), dtype=np.float64)
-    touched = np.zeros((rows_out, cols_out), dtype=bool)
+    sums = np.zeros((-(-nq // row_factor), -(-nk // col_factor)), dtype=np.float64)
+    touched = np.zeros(sums.shape, dtype=bool)
+    weight = np.asarray(cost, dtype=np.float64)
     for ra, rb in problem.bands():
         grid, j0 = problem.classify(ra, rb, narrow=True)
-        if grid.shape[1] == 0:
+        width = grid.shape[1]
+        if width == 0:
             continue
-        lead = j0 % col_factor  # widen the band's columns to whole cells
-        trail = -(lead + grid.shape[1]) % col_factor
-        first = j0 // col_factor
-        values = np.pad(cost[grid], ((0, 0), (lead, trail))).reshape(grid.shape[0], -1, col_factor).sum(2)
-        visited = np.pad(grid != EMPTY, ((0, 0), (lead, trail))).reshape(grid.shape[0], -1, col_factor).any(2)
+        lead, first = j0 % col_factor, j0 // col_factor  # the band's columns widened to whole cells
+        cells = -(-(lead + width) // col_factor)
+        span = slice(first, first + cells)
         cell_row = (np.arange(ra, rb) % nq) // row_factor
-        starts = np.flatnonzero(np.r_[True, cell_row[1:] != cell_row[:-1]])  # runs of rows in one cell row
-        span = slice(first, first + values.shape[1])
-        np.add.at(sums[:, span], cell_row[starts], np.add.reduceat(values, starts, axis=0))
-        np.logical_or.at(touched[:, span], cell_row[starts], np.logical_or.reduceat(visited, starts, axis=0))
+        step = max(1, (1 << 23) // width)
+        for r0 in range(0, grid.shape[0], step):
+            part = grid[r0:r0 + step]
+            if lead or width != cells * col_factor:
+                widened = np.zeros((part.shape[0], cells * col_factor), dtype=np.int8)  # EMPTY outside the band
+                widened[:, lead:lead + width] = part
+                part = widened
+            blocks = part.reshape(part.shape[0], cells, col_factor)
+            rows = cell_row[r0:r0 + step]
+            starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])  # runs of rows in one cell row
+            values = weight[blocks].sum(2)
+            np.add.at(sums[:, span], rows[starts], np.add.reduceat(values, starts, axis=0))
+            visited = (blocks != EMPTY).any(2)
+            np.logical_or.at(touched[:, span], rows[starts], np.logical_or.reduceat(visited, starts, axis=0))
     return sums, touched
 
 
