@@ -164,6 +164,7 @@ def test_rectangle_masks_through_the_op(rules_file):
         layout_b = batched(layout, 2)
         kernels = _make_rectangle(shard, layout_b, q_chunks, kv_chunks, q, 0.25, kernels=True)
         reference = _make_rectangle(shard, layout_b, q_chunks, kv_chunks, q, 0.25, kernels=False)
+        assert kernels.mask.allowed_pairs == int(reference.allowed.sum())  # full and causal tiles counted, not walked
         out, lse = kernels.forward(q, k, v)
         ref_out, ref_lse = reference.forward(q, k, v)
         torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-5)

@@ -261,28 +261,40 @@ def _tile_positions(positions: torch.Tensor, index: torch.Tensor, block: int, se
     return torch.where(inside, positions[offsets.clamp(max=len(positions) - 1)], seq_len)
 
 
+def _real_per_tile(positions: torch.Tensor, block: int, seq_len: int) -> torch.Tensor:
+    """int64 per local tile of `block` tokens: how many of its rows are tokens (not padding, not past the end)."""
+    tiles = -(-len(positions) // block)
+    padded = torch.full((tiles * block,), seq_len, dtype=positions.dtype, device=positions.device)
+    padded[: len(positions)] = positions
+    return (padded.view(tiles, block) < seq_len).sum(1)
+
+
 def _shape_plan(rules, tables, kinds, row_pos, col_pos, block_m, block_n, S):
     from ..plan.ruleless import ShapePlan
 
     b, i, j = (kinds == PARTIAL).nonzero(as_tuple=True)
     partials = []
-    pairs = 0
+    pairs = torch.zeros((), dtype=torch.int64, device=kinds.device)
     step = max(1, (1 << 24) // (block_m * block_n))
     for start in range(0, len(b), step):
         bb, ii, jj = b[start:start + step], i[start:start + step], j[start:start + step]
         blocks = pair_predicate(rules, tables, bb[:, None, None], _tile_positions(row_pos, ii, block_m, S)[:, :, None],
                                 _tile_positions(col_pos, jj, block_n, S)[:, None, :])
         partials.append((bb, ii, jj, blocks))
-        pairs += int(blocks.sum())
-    # Full tiles: every pair of real tokens; causal tiles: those with key <= query.
-    for kind in (FULL, CAUSAL):
-        bb, ii, jj = (kinds == kind).nonzero(as_tuple=True)
-        for start in range(0, len(bb), step):
-            qp = _tile_positions(row_pos, ii[start:start + step], block_m, S)[:, :, None]
-            kp = _tile_positions(col_pos, jj[start:start + step], block_n, S)[:, None, :]
-            real = (qp < S) & (kp < S)
-            pairs += int((real & (kp <= qp)).sum() if kind == CAUSAL else real.sum())
-    return ShapePlan(block_m, block_n, kinds, pairs, partials, partial_count=len(b))
+        pairs += blocks.sum()
+    # Full and causal tiles are counted from their real rows and columns, never tile by tile: a full tile has
+    # rows x columns pairs; a causal tile's tokens are consecutive from its first row and column (one chunk), so its
+    # row r sees the columns c <= q0 + r - k0.
+    rows_real, cols_real = _real_per_tile(row_pos, block_m, S), _real_per_tile(col_pos, block_n, S)
+    _, ii, jj = (kinds == FULL).nonzero(as_tuple=True)
+    pairs += (rows_real[ii] * cols_real[jj]).sum()
+    _, ii, jj = (kinds == CAUSAL).nonzero(as_tuple=True)
+    if len(ii):
+        r = torch.arange(block_m, device=kinds.device)[None, :]
+        reach = row_pos[ii * block_m][:, None] + r - col_pos[jj * block_n][:, None] + 1
+        seen = torch.minimum(reach.clamp(min=0), cols_real[jj][:, None])
+        pairs += torch.where(r < rows_real[ii][:, None], seen, 0).sum()
+    return ShapePlan(block_m, block_n, kinds, int(pairs), partials, partial_count=len(b))
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
