@@ -12,7 +12,8 @@ import torch
 
 import omnigen
 from omnigen.distributed import chunk_attention, plan_shards
-from omnigen.distributed.rectangle import ReferenceRectangle, batched, chunk_positions
+from omnigen.distributed.balance import chunk_positions
+from omnigen.distributed.rectangle import ReferenceRectangle, batched
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -23,6 +23,7 @@ place in that order, so no rank waits on a message that is not yet posted.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..rules import Rules
-from .rectangle import (KernelRectangle, ReferenceRectangle, as_index, batched, chunk_positions, default_scale,
+from .balance import chunk_positions
+from .rectangle import (KernelRectangle, ReferenceRectangle, as_index, batched, default_scale, kernel_tile_shapes,
                         merge_into, rectangle_mask, square_positions)
 from .shard import Shard
 
@@ -93,7 +95,12 @@ def _make_rectangle(shard: Shard, layout, q_chunks: np.ndarray, k_chunks: np.nda
             shard._cache[key] = kinds if kinds.dim() == 3 else kinds[None]
         return shard._cache[key]
 
-    mask = rectangle_mask(shard.rules, layout, rows, cols, shard.chunk, q.device, q.shape[-1], q.dtype, kinds_of)
+    # The shapes depend on L only through the tuning database's bucket: asked once per L, not once per rectangle
+    # (each asking reads the database).
+    shapes_key = ("tile shapes", len(rows), str(q.device), q.shape[-1], q.dtype)
+    if shapes_key not in shard._cache:
+        shard._cache[shapes_key] = kernel_tile_shapes(len(rows), q.device, q.shape[-1], q.dtype)
+    mask = rectangle_mask(shard.rules, layout, rows, cols, shard.chunk, q.device, shard._cache[shapes_key], kinds_of)
     return KernelRectangle(mask, as_index(q_rows, q.device), as_index(k_rows, q.device), scale)
 
 
@@ -199,23 +206,19 @@ class _Call:
     def _fetch(self, t: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
         """Post round t's keys/values: (requests, [(k piece, v piece)] in the round's receive order)."""
         rnd = self.work.rounds[t]
-        if self.side is None:
-            sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
-            pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
-                       v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
-            receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
-            return _post(sends, receives, self.group), pieces
-        self._retire(keep=1)
-        compute = torch.cuda.current_stream()
-        with torch.cuda.stream(self.side):
+        if self.side is not None:
+            self._retire(keep=1)
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
             sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
             pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
                        v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
             receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
             requests = _post(sends, receives, self.group)
-        for _, x in receives:
-            x.record_stream(compute)  # read there: not reused before the compute stream is done with it
-        self._in_flight.append((requests, sends))
+        if self.side is not None:
+            compute = torch.cuda.current_stream()
+            for _, x in receives:
+                x.record_stream(compute)  # read there: not reused before the compute stream is done with it
+            self._in_flight.append((requests, sends))
         return requests, pieces
 
     def forward(self, q, k, v):
@@ -333,29 +336,24 @@ def _check_agreement(shard: Shard, group, device: torch.device) -> None:
     shard._cache[key] = True
 
 
-def _check_inputs(q, k, v, shard: Shard, rules: Rules, rank: int) -> None:
-    problems = []
+def _check_inputs(q, k, v, shard: Shard, rules: Rules, rank: int, scale: Any) -> None:
+    """Every problem of a call at once: the tensors as the op checks them (on CUDA: a dtype and a head dim the
+    kernels take; on the CPU the reference takes any), then what the shard asks of them."""
+    from ..op import checks
+
     if not isinstance(shard, Shard):
         raise TypeError(f"shard must come from omnigen.distributed.plan_shards, not {type(shard).__name__}")
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+    on_gpu = isinstance(q, torch.Tensor) and q.device.type == "cuda"
+    problems = checks.tensor_problems(q, k, v, scale, known_head_dims=on_gpu)
     if rules.mask_hash() != shard.rules.mask_hash():
         problems.append("rules: these rules' mask differs from the one the shard was planned for")
     tokens = shard.tokens(rank)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            problems.append(f"{name} must be a 4-D tensor [B, H, tokens, D]")
-        elif x.shape[2] != tokens:
+        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[2] != tokens:
             problems.append(f"{name} has {x.shape[2]} tokens, but rank {rank} holds {tokens} "
                             f"(shard.scatter(x) gives a rank its tokens)")
-    if not problems:
-        if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
-            problems.append(f"q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} must agree in batch and "
-                            "head dim, k and v in everything")
-        elif q.shape[1] % k.shape[1]:
-            problems.append(f"q's heads ({q.shape[1]}) must be a multiple of k's ({k.shape[1]})")
-        if len({q.device, k.device, v.device}) > 1 or len({q.dtype, k.dtype, v.dtype}) > 1:
-            problems.append("q, k and v must share a device and a dtype")
     if problems:
         raise ValueError("omnigen.distributed.attention: " + "; ".join(problems))
 
@@ -389,7 +387,7 @@ def attention(
         raise ValueError(f"the shard was planned for {getattr(shard, 'world_size', '?')} ranks, the process group "
                          f"has {world}")
     rank = dist.get_rank(group)
-    _check_inputs(q, k, v, shard, rules, rank)
+    _check_inputs(q, k, v, shard, rules, rank, scale)
     scale = default_scale(q.shape[-1], scale)
     _check_agreement(shard, group, q.device)
     work = rank_work(shard, rank, q, scale, block_tokens)

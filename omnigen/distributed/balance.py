@@ -45,6 +45,13 @@ def chunk_lengths(seq_len: int, chunk: int) -> np.ndarray:
     return lengths
 
 
+def chunk_positions(chunks: np.ndarray, chunk: int, lengths: np.ndarray) -> np.ndarray:
+    """int64: the sequence positions of the tokens of `chunks`, in that order."""
+    if not len(chunks):
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(c * chunk, c * chunk + lengths[c]) for c in chunks])
+
+
 def chunk_work(rules: Rules, layout: AnyLayout, chunk: int,
                tile_cost: Mapping[int, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(work float64 [n, n], needs bool [n, n]) over the n chunks, summed over the batch: work[i, j] is the weighted

@@ -29,6 +29,7 @@ import torch
 
 from ..layout import AnyLayout, Layout, LayoutBatch
 from ..rules import Rules
+from ..reference import _expand_kv
 from ..semantics import CAUSAL, FULL, PARTIAL, pair_predicate
 
 
@@ -63,10 +64,6 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, par
     lse.copy_(total)
 
 
-def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
-
-
 def _fold(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """Gradients of the expanded heads summed back onto each key/value head."""
     B, H, S, D = x.shape
@@ -85,30 +82,29 @@ class ReferenceRectangle:
         self.allowed = pair_predicate(rules, tables, b, qp, kp)[:, None]  # [B, 1, Sq, Sk]
         self.scale = scale
 
-    def _probabilities(self, q, k, lse=None):
-        scores = torch.matmul(q.double(), _expand(k.double(), q.shape[1]).transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~self.allowed, float("-inf"))
-        if lse is None:
-            return scores
+    def _scores(self, q, k):
+        scores = torch.matmul(q.double(), _expand_kv(k.double(), q.shape[1]).transpose(-1, -2)) * self.scale
+        return scores.masked_fill(~self.allowed, float("-inf"))
+
+    def _probabilities(self, scores, lse):
+        """exp(scores - lse) on allowed pairs, 0 elsewhere (rows without keys: lse -inf, all 0)."""
         finite = torch.where(torch.isfinite(lse), lse.double(), torch.zeros_like(lse, dtype=torch.float64))
         return torch.where(self.allowed, torch.exp(scores - finite[..., None]), torch.zeros_like(scores))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self._probabilities(q, k)
+        scores = self._scores(q, k)
         lse = torch.logsumexp(scores, dim=-1)  # -inf for a row without keys
-        p = torch.where(self.allowed, torch.exp(scores - torch.where(torch.isfinite(lse), lse,
-                                                                   torch.zeros_like(lse))[..., None]), 0.0)
-        return torch.matmul(p, _expand(v.double(), q.shape[1])), lse
+        return torch.matmul(self._probabilities(scores, lse), _expand_kv(v.double(), q.shape[1])), lse
 
     def backward(self, d_out, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        p = self._probabilities(q, k, lse)
+        p = self._probabilities(self._scores(q, k), lse)
         d_out, out = d_out.double(), out.double()
-        v64 = _expand(v.double(), q.shape[1])
+        v64 = _expand_kv(v.double(), q.shape[1])
         dv = torch.matmul(p.transpose(-1, -2), d_out)
         dp = torch.matmul(d_out, v64.transpose(-1, -2))
         delta = (d_out * out).sum(-1, keepdim=True)
         ds = p * (dp - delta)
-        dq = torch.matmul(ds, _expand(k.double(), q.shape[1])) * self.scale
+        dq = torch.matmul(ds, _expand_kv(k.double(), q.shape[1])) * self.scale
         dk = torch.matmul(ds.transpose(-1, -2), q.double()) * self.scale
         return dq, _fold(dk, k.shape[1]), _fold(dv, k.shape[1])
 
@@ -163,13 +159,6 @@ class KernelRectangle:
 # ---- the rectangle's mask ------------------------------------------------------------------------------------
 
 
-def chunk_positions(chunks: np.ndarray, chunk: int, lengths: np.ndarray) -> np.ndarray:
-    """int64: the sequence positions of the tokens of `chunks`, in that order."""
-    if not len(chunks):
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(c * chunk, c * chunk + lengths[c]) for c in chunks])
-
-
 def _padded(chunks: np.ndarray, chunk: int, lengths: np.ndarray, seq_len: int) -> np.ndarray:
     """Positions of `chunks`, each chunk filling `chunk` rows (a short chunk's rest: `seq_len`, no token)."""
     positions = np.full(len(chunks) * chunk, seq_len, dtype=np.int64)
@@ -208,16 +197,23 @@ def _global_tiles(positions: torch.Tensor, block: int, seq_len: int) -> tuple[to
     return (firsts.clamp(max=seq_len - 1) // block), firsts < seq_len
 
 
+def kernel_tile_shapes(L: int, device: torch.device, head_dim: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """The tile shapes the bits-only kernels may run for an L-token square (the families' defaults and this GPU's
+    tuning database, as `omnigen.mask_from_*` pick them)."""
+    from ..plan import ruleless
+
+    kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None  # (the CPU path takes any float)
+    return ruleless.tile_shapes(L, device, None, head_dim, kernel_dtype)
+
+
 def rectangle_mask(rules: Rules, layout: LayoutBatch, rows: np.ndarray, cols: np.ndarray, chunk: int,
-                   device: torch.device, head_dim: int, dtype: torch.dtype, kinds_of: Any) -> Any:
+                   device: torch.device, shapes: list[tuple[int, int]], kinds_of: Any) -> Any:
     """The Mask (made from data) of the square whose rows/columns are the tokens at sequence positions `rows` and
-    `cols` (`seq_len` for none). `kinds_of(block_m, block_n)` gives the whole sequence's tile kinds, int8
-    [B, nq, nk] on `device`. Every tile dimension must divide `chunk`."""
+    `cols` (`seq_len` for none), for the tile `shapes` (`kernel_tile_shapes`). `kinds_of(block_m, block_n)` gives
+    the whole sequence's tile kinds, int8 [B, nq, nk] on `device`. Every tile dimension must divide `chunk`."""
     from ..plan import ruleless
 
     S, B, L = layout.seq_len, layout.batch_size, len(rows)
-    kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None  # (the CPU path takes any float)
-    shapes = ruleless.tile_shapes(L, device, None, head_dim, kernel_dtype)
     bad = [f"{m}x{n}" for m, n in shapes if chunk % m or chunk % n]
     if bad:
         raise ValueError(f"chunk={chunk} is not a multiple of the kernels' tile sizes ({', '.join(bad)}): plan the "
@@ -301,5 +297,5 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-__all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "chunk_positions", "merge",
+__all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "kernel_tile_shapes", "merge",
            "merge_into", "rectangle_mask", "square_positions"]

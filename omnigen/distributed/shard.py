@@ -67,9 +67,7 @@ class Shard:
         """int64 [tokens(rank)]: the sequence position of each of the rank's local tokens."""
         key = ("positions", rank)
         if key not in self._cache:
-            chunks = self.chunks(rank)
-            self._cache[key] = (np.concatenate([np.arange(c * self.chunk, c * self.chunk + self.lengths[c])
-                                                for c in chunks]) if len(chunks) else np.zeros(0, dtype=np.int64))
+            self._cache[key] = balance.chunk_positions(self.chunks(rank), self.chunk, self.lengths)
         return self._cache[key]
 
     def local_rows(self, rank: int, chunks: np.ndarray) -> np.ndarray:
@@ -83,10 +81,16 @@ class Shard:
         return np.concatenate([np.arange(offsets[where[int(c)]], offsets[where[int(c)] + 1]) for c in chunks]) \
             if len(chunks) else np.zeros(0, dtype=np.int64)
 
+    def wanted(self, rank: int) -> np.ndarray:
+        """bool [chunks]: the chunks whose keys/values rank `rank`'s queries need (its own included)."""
+        key = ("wanted", rank)
+        if key not in self._cache:
+            self._cache[key] = self.needs[self.chunks(rank)].any(axis=0)
+        return self._cache[key]
+
     def needed_from(self, rank: int, source: int) -> np.ndarray:
         """The chunks of rank `source` that rank `rank`'s queries need (ascending)."""
-        wanted = self.needs[self.chunks(rank)].any(axis=0)
-        return np.flatnonzero(wanted & (self.owner == source))
+        return np.flatnonzero(self.wanted(rank) & (self.owner == source))
 
     # -- balance -------------------------------------------------------------------------------------
 
@@ -106,8 +110,7 @@ class Shard:
         """int64 [world_size]: the tokens of keys/values each rank receives from the others."""
         out = np.zeros(self.world_size, dtype=np.int64)
         for rank in range(self.world_size):
-            wanted = self.needs[self.chunks(rank)].any(axis=0) & (self.owner != rank)
-            out[rank] = int(self.lengths[wanted].sum())
+            out[rank] = int(self.lengths[self.wanted(rank) & (self.owner != rank)].sum())
         return out
 
     def received_bytes(self, heads_kv: int, head_dim: int, element_size: int = 2) -> np.ndarray:
