@@ -1,5 +1,5 @@
 """Context parallelism on GPUs: rectangles run by the kernels against the float64 reference (one GPU), and
-`omnigen.distributed.attention` over NCCL (two GPUs) against single-process float64 attention."""
+`omnigen.distributed.attention` over NCCL (two and four GPUs) against single-process float64 attention."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_rectangles_match_reference(rules_file):
             _close(mine, theirs, name)
 
 
-def _two_gpu_worker(rank: int, world: int, port: int, queue) -> None:
+def _gpus_worker(rank: int, world: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     from omnigen.distributed import attention
@@ -100,13 +100,15 @@ def _two_gpu_worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_gpus_match_reference():
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpus_match_reference(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    mp.start_processes(_two_gpu_worker, args=(2, 29300 + random.randrange(500), queue), nprocs=2,
+    mp.start_processes(_gpus_worker, args=(world, 29300 + random.randrange(500), queue), nprocs=world,
                        start_method="spawn")
-    found = dict(queue.get() for _ in range(2))
-    assert found == {0: "ok", 1: "ok"}, found
+    found = dict(queue.get() for _ in range(world))
+    assert found == {rank: "ok" for rank in range(world)}, found

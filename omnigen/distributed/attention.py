@@ -34,8 +34,9 @@ import torch.distributed as dist
 
 from ..rules import Rules
 from .balance import chunk_positions
+from .lse_merge import merge_into
 from .rectangle import (KernelRectangle, ReferenceRectangle, as_index, batched, default_scale, kernel_tile_shapes,
-                        merge_into, rectangle_mask, square_positions)
+                        rectangle_mask, square_positions)
 from .shard import Shard
 
 BLOCK_TOKENS = 8192  # tokens per piece of keys/values and per block of queries (rounded to whole chunks)
@@ -235,7 +236,7 @@ class _Call:
             for piece, (kp, vp) in zip(rounds[t].receives, pieces):
                 for block in piece.blocks:
                     part_out, part_lse = block.rectangle.forward(q[:, :, block.rows], kp, vp)
-                    merge_into(out[:, :, block.rows], lse[:, :, block.rows], part_out, part_lse.to(acc))
+                    merge_into(out[:, :, block.rows], lse[:, :, block.rows], part_out, part_lse)
         self._retire(keep=0)
         return out.to(q.dtype), lse
 

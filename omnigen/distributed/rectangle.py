@@ -42,28 +42,6 @@ def batched(layout: AnyLayout, batch: int) -> LayoutBatch:
     return layout
 
 
-def _weights(lse: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    total = torch.logaddexp(lse, part_lse)
-    finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-    return torch.exp(lse - finite), torch.exp(part_lse - finite), total
-
-
-def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax results over two disjoint key sets merged into the result over their union (rows without keys in
-    either: out 0, lse -inf, no NaN)."""
-    keep, take, total = _weights(lse, part_lse)
-    return out * keep[..., None] + part_out * take[..., None], total
-
-
-def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """`merge` written into `out` and `lse` (views of the accumulators), in two passes over `out` and no
-    output-sized temporary (part_out may be of a narrower dtype: it is widened as it is read)."""
-    keep, take, total = _weights(lse, part_lse)
-    out.mul_(keep[..., None]).addcmul_(part_out, take[..., None])
-    lse.copy_(total)
-
-
 def _fold(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """Gradients of the expanded heads summed back onto each key/value head."""
     B, H, S, D = x.shape
@@ -297,5 +275,5 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-__all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "kernel_tile_shapes", "merge",
-           "merge_into", "rectangle_mask", "square_positions"]
+__all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "kernel_tile_shapes", "rectangle_mask",
+           "square_positions"]
