@@ -119,12 +119,12 @@ def _profile(step) -> dict:
             end = stop
     top: dict[str, float] = {}
     for e in kernels:
-        top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.device_time / 1e3
+        top[e.name[:110]] = top.get(e.name[:110], 0.0) + e.device_time / 1e3
     return {"wall_ms": wall, "kernel_ms_by_family": families, "compute_busy_ms": busy / 1e3,
             "top": sorted(top.items(), key=lambda kv: -kv[1])[:12]}
 
 
-def _distributed(args, rules, layout, rank, world, device, method, kept):
+def _distributed(args, rules, layout, rank, world, device, method, block_tokens, kept):
     import omnigen.distributed as cp
     from omnigen.distributed.attention import rank_work
     from omnigen.distributed.rectangle import default_scale
@@ -139,14 +139,14 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
     leaves = [x.requires_grad_() for x in (q, k, v)]
     started = time.perf_counter()
     scale = default_scale(args.dim, None)
-    work = rank_work(shard, rank, q, scale, args.block_tokens)
+    work = rank_work(shard, rank, q, scale, block_tokens)
     torch.cuda.synchronize()
     rectangles_s = time.perf_counter() - started
 
     def step():
         for x in leaves:
             x.grad = None
-        cp.attention(q, k, v, shard, rules, block_tokens=args.block_tokens).backward(d_out)
+        cp.attention(q, k, v, shard, rules, block_tokens=block_tokens).backward(d_out)
 
     dist.barrier()
     times = _time(step, args.reps)
@@ -180,7 +180,7 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
     compute = _time(compute_only, args.reps)
     profile = _profile(step) if args.profile else None
     # Agreement with the single GPU's result.
-    out = cp.attention(q, k, v, shard, rules, block_tokens=args.block_tokens)
+    out = cp.attention(q, k, v, shard, rules, block_tokens=block_tokens)
     for x in leaves:
         x.grad = None
     out.backward(d_out)
@@ -189,7 +189,7 @@ def _distributed(args, rules, layout, rank, world, device, method, kept):
            "compute_ms": statistics.median(compute), "enqueue_ms": enqueue_ms, "peak_gib": peak, "tokens": shard.tokens(rank),
            "planned_work": float(shard.work[rank]), "work_max_over_mean": 1 + shard.imbalance,
            "received_tokens": int(shard.received_tokens[rank]), "plan_shards_s": planned_s,
-           "rectangles_s": rectangles_s, "chunk": shard.chunk, "block_tokens": args.block_tokens,
+           "rectangles_s": rectangles_s, "chunk": shard.chunk, "block_tokens": block_tokens,
            "rectangles": 1 + sum(len(p.blocks) for rnd in work.rounds for p in rnd.receives), "profile": profile}
     if rank == 0 and kept is not None:
         row["difference"] = {name: _difference(mine.cpu(), theirs)
@@ -218,9 +218,11 @@ def _worker(rank: int, world: int, args, port: int) -> None:
               "rules": rules.name, "tokens": args.tokens, "heads": args.heads, "heads_kv": args.heads_kv or args.heads,
               "dim": args.dim, "single": single, "methods": {}}
     for method in args.methods:
-        rows = _distributed(args, rules, layout, rank, world, device, method, kept)
-        torch.cuda.empty_cache()
-        report["methods"][method] = rows
+        for block_tokens in args.block_tokens:
+            rows = _distributed(args, rules, layout, rank, world, device, method, block_tokens, kept)
+            torch.cuda.empty_cache()
+            name = method if len(args.block_tokens) == 1 else f"{method}, blocks of {block_tokens}"
+            report["methods"][name] = rows
     if rank == 0:
         _print(report)
         if args.json:
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads-kv", type=int, default=0, help="key/value heads (default: --heads)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: plan_shards')")
-    parser.add_argument("--block-tokens", type=int, default=8192,
+    parser.add_argument("--block-tokens", type=int, nargs="+", default=[8192],
                         help="tokens per moved piece of K/V and per block of queries (omnigen.distributed.attention)")
     parser.add_argument("--methods", nargs="+", default=["balanced", "zigzag", "even"])
     parser.add_argument("--world", type=int, default=0, help="GPUs (default: every visible one)")

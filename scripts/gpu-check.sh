@@ -4,7 +4,8 @@
 #   STEPS="tests plan" bash scripts/gpu-check.sh     (a subset, to fit one call of the device tool)
 # Steps: tests plan build attention tune (default: all), and context (context parallelism on every visible GPU:
 # the multi-GPU tests, then scripts/bench_context_parallel.py on 2 GPUs at 128K and on 4 at 256K where there are
-# 4; CP_ARGS adds arguments to both). ATTENTION_ARGS overrides the attention sizes.
+# 4; CP2_ARGS and CP4_ARGS replace each one's methods and repetitions, CP_ARGS adds arguments to both).
+# ATTENTION_ARGS overrides the attention sizes.
 # Runs from the source tree (no install needed): PYTHONPATH=. and a private kernel cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,11 +72,11 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_lse_merge.py tests/te
 grep -qE "[0-9]+ failed|error" "$out/cp-tests.log" && status=1
 if [ "$gpus" -ge 2 ]; then
   CUDA_VISIBLE_DEVICES=0,1 python3 scripts/bench_context_parallel.py --world 2 --tokens 131072 \
-    --methods balanced zigzag ${CP_ARGS:-} --json "$out/cp2.json" 2>&1 | tee "$out/cp2.log" | tail -8 || status=1
+    ${CP2_ARGS:---methods balanced zigzag} ${CP_ARGS:-} --json "$out/cp2.json" 2>&1 | tee "$out/cp2.log" | tail -8 || status=1
 fi
 if [ "$gpus" -ge 4 ]; then
-  python3 scripts/bench_context_parallel.py --world 4 --tokens 262144 --reps 3 --methods balanced zigzag even \
-    ${CP_ARGS:-} --json "$out/cp4.json" 2>&1 | tee "$out/cp4.log" | tail -12 || status=1
+  python3 scripts/bench_context_parallel.py --world 4 --tokens 262144 \
+    ${CP4_ARGS:---reps 3 --methods balanced zigzag even} ${CP_ARGS:-} --json "$out/cp4.json" 2>&1 | tee "$out/cp4.log" | tail -12 || status=1
 fi
 fi
 
@@ -84,6 +85,6 @@ echo "== summary"
 want tests && tail -1 "$out/gpu-tests.log"
 want plan && tail -8 "$out/bench_plan.log"
 want attention && { grep -A40 "^attention," "$out/bench_attention.log"; grep "^tile cost" "$out/bench_attention.log"; }
-want context && { tail -1 "$out/cp-tests.log"; grep -hE "^\| (balanced|zigzag|even) |^one GPU|x[0-9], torch" "$out"/cp[24].log 2>/dev/null; }
+want context && { tail -1 "$out/cp-tests.log"; grep -hE "^\| (balanced|zigzag|even)[ ,]|^one GPU|x[0-9], torch" "$out"/cp[24].log 2>/dev/null; }
 want tune && { grep -E "^-> |^bf16|^fp16|first tuning run" "$out/tune.log"; grep -E "reusing|second process" "$out/tune-again.log"; }
 exit $status

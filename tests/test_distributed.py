@@ -246,3 +246,20 @@ def test_chunk_work_sums_the_plans_tiles(data):
         touched[i // per, j // per] = True
     np.testing.assert_allclose(work, expected, rtol=1e-12)
     assert np.array_equal(needs, touched)
+
+
+def test_rows_move_alike_as_slices_and_indices():
+    """Pieces of consecutive rows move as slices (a strided copy, a contiguous add), others by gather and
+    index_add: the same messages and sums either way, whatever the gradient's layout."""
+    from omnigen.distributed.attention import _add_rows, _take_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 40, 8, generator=g)
+    for rows in (slice(7, 19), torch.arange(7, 19)):
+        assert torch.equal(_take_rows(x, rows), x[:, :, 7:19].contiguous())
+        incoming = torch.randn(2, 12, 3, 8, generator=g)
+        for grad in (x.clone(), x.transpose(1, 2).contiguous().transpose(1, 2)):  # [B, H, S, D] and heads-inner
+            expected = grad.clone()
+            expected[:, :, 7:19] += incoming.transpose(1, 2)
+            _add_rows(grad, rows, incoming)
+            torch.testing.assert_close(grad, expected, rtol=0, atol=1e-6)

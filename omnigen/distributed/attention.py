@@ -57,7 +57,7 @@ class Piece:
 
     peer: int
     tokens: int
-    rows: torch.Tensor | None = None
+    rows: slice | torch.Tensor | None = None
     blocks: list[Block] = field(default_factory=list)
 
 
@@ -139,8 +139,8 @@ def rank_work(shard: Shard, rank: int, q: torch.Tensor, scale: float, block_toke
             round_(t).receives.append(piece)
         target = (rank + step) % shard.world_size
         for t, piece_chunks in enumerate(_groups(shard.needed_from(target, rank), per_group)):
-            rows = torch.from_numpy(shard.local_rows(rank, piece_chunks)).to(q.device)
-            round_(t).sends.append(Piece(target, len(rows), rows=rows))
+            rows = shard.local_rows(rank, piece_chunks)
+            round_(t).sends.append(Piece(target, len(rows), rows=as_index(rows, q.device)))
     found = RankWork(_make_rectangle(shard, layout, mine, mine, q, scale), rounds)
     shard._cache[key] = found
     return found
@@ -159,6 +159,21 @@ def _post(sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch
 def _wait(requests: list) -> None:
     for request in requests:
         request.wait()
+
+
+def _take_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a [B, H, S, D] tensor as a dense message: a strided copy of a slice where the rows are
+    consecutive (the usual case: a rank's chunks sit in sequence order), else a gather."""
+    return x[:, :, rows].contiguous() if isinstance(rows, slice) else x.index_select(2, rows)
+
+
+def _add_rows(x: torch.Tensor, rows: slice | torch.Tensor, incoming: torch.Tensor) -> None:
+    """x[:, :, rows] += incoming, with x [B, H, S, D] and incoming a dense [B, tokens, H, D] message: for the
+    kernels' heads-inner gradients and consecutive rows, one contiguous add."""
+    if isinstance(rows, slice):
+        x.transpose(1, 2)[:, rows].add_(incoming)
+    else:
+        x.transpose(1, 2).index_add_(1, rows, incoming)
 
 
 def _tokens_major(x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +225,7 @@ class _Call:
         if self.side is not None:
             self._retire(keep=1)
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-            sends = [(p.peer, x.index_select(2, p.rows)) for p in rnd.sends for x in (k, v)]
+            sends = [(p.peer, _take_rows(x, p.rows)) for p in rnd.sends for x in (k, v)]
             pieces = [(k.new_empty(k.shape[0], k.shape[1], p.tokens, k.shape[3]),
                        v.new_empty(v.shape[0], v.shape[1], p.tokens, v.shape[3])) for p in rnd.receives]
             receives = [(p.peer, x) for p, pair in zip(rnd.receives, pieces) for x in pair]
@@ -298,8 +313,8 @@ class _Call:
         requests, incoming = returning
         _wait(requests)
         for rows, dk_in, dv_in in incoming:  # [B, tokens, H, D], as they were sent
-            dk.transpose(1, 2).index_add_(1, rows, dk_in)
-            dv.transpose(1, 2).index_add_(1, rows, dv_in)
+            _add_rows(dk, rows, dk_in)
+            _add_rows(dv, rows, dv_in)
 
 
 class _Attention(torch.autograd.Function):
