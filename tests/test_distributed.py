@@ -256,7 +256,10 @@ def test_rows_move_alike_as_slices_and_indices():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 40, 8, generator=g)
     for rows in (slice(7, 19), torch.arange(7, 19)):
-        assert torch.equal(_take_rows(x, rows), x[:, :, 7:19].contiguous())
+        for message in (x, x.bfloat16(), x.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)):
+            taken = _take_rows(message, rows)  # (16-bit rows move as 8-byte words)
+            assert taken.is_contiguous() and taken.dtype == message.dtype
+            assert torch.equal(taken, message[:, :, 7:19])
         incoming = torch.randn(2, 12, 3, 8, generator=g)
         for grad in (x.clone(), x.transpose(1, 2).contiguous().transpose(1, 2)):  # [B, H, S, D] and heads-inner
             expected = grad.clone()
