@@ -307,3 +307,17 @@ def test_peak_memory_at_16k_tokens_is_far_below_one_attention_matrix():
     grown = int(result.stdout.split()[-1])
     one_matrix = 16384 * 16384 * 4
     assert grown < one_matrix / 8, f"peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def test_fullgraph_with_a_layout_stops_with_how_to_make_the_mask():
+    """A layout (not a mask) under torch.compile(fullgraph=True): planning is a host step the graph cannot hold, and
+    the one error says to make the mask outside the compiled function."""
+    layout = omnigen.Layout.parse("text:40 image:64 text:24@1")
+    q, k, v = _qkv(1, 2, 2, layout.seq_len, torch.float32)
+    step = torch.compile(lambda q, k, v: omnigen.attention(q, k, v, layout, RULES), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"pass a mask made outside the compiled function, omnigen\.mask\(rules, "
+                                        r"layout, device\)"):
+        step(q, k, v)
+    # without fullgraph the planning is a graph break, and the call is right
+    out = torch.compile(lambda q, k, v: omnigen.attention(q, k, v, layout, RULES), backend="eager")(q, k, v)
+    torch.testing.assert_close(out, omnigen.attention(q, k, v, layout, RULES), rtol=0, atol=0)
