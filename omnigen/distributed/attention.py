@@ -164,8 +164,8 @@ def _wait(requests: list) -> None:
 def _take_rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     """Rows `rows` of a [B, H, S, D] tensor as a dense message: a strided copy of a slice where the rows are
     consecutive (the usual case: a rank's chunks sit in sequence order), else a gather. Rows of 16-bit values are
-    copied as 8-byte words: PyTorch's copy of a strided slice moves one element per lane, so bf16 rows moved at a
-    fifth of the memory's speed (8.4 ms of a 536 ms step on four H200s)."""
+    copied as 8-byte words: PyTorch's copy of a strided slice moves one element per lane, so bf16 rows moved at about
+    600 GB/s on an H200 (8.4 ms of a 536 ms four-rank step; as words 3.5 ms)."""
     words = x.dtype.itemsize == 2 and (x.shape[-1] * 2) % 8 == 0 and x.stride(-1) == 1
     source = x.view(torch.int64) if words else x
     taken = source[:, :, rows].contiguous() if isinstance(rows, slice) else source.index_select(2, rows)
