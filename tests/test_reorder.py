@@ -770,3 +770,23 @@ def test_errors_are_clear():
         omnigen.reorder(result.mask)
     with pytest.raises(ValueError, match="reordered"):
         omnigen.mask_from_dense(_documents(128, 32), tiles=TILES).copy_(result.mask)
+
+
+@pytest.mark.parametrize("name", ["segments", "frames"])
+def test_reordered_masks_compile_with_fullgraph(name):
+    """A reordered mask (gathers around the kernels) and a TokenOrder's mask (none) under torch.compile with
+    fullgraph=True: the same output and gradients as eager, bit for bit (aot_eager runs the same ops)."""
+    if name != "segments" and not _ruleless_runs_on_cpu():
+        pytest.skip("masks made from data do not run on the CPU path yet (op/cpu.py)")
+    mask, found, _ = _model_case(name)
+    order = found.token_order()
+    q, k, v, d_out = _inputs(mask.batch_size, 2, 2, mask.seq_len)
+    cases = ((found.mask, (q, k, v), d_out), (order.mask, [order.permute(t, dim=2) for t in (q, k, v)],
+                                              order.permute(d_out, dim=2)))
+    for reordered, inputs, d_in in cases:
+        compiled = torch.compile(lambda q, k, v: omnigen.attention(q, k, v, reordered), fullgraph=True,
+                                 backend="aot_eager")
+        out, eager = compiled(*inputs), omnigen.attention(*inputs, reordered)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+        for got, want in zip(torch.autograd.grad(out, inputs, d_in), torch.autograd.grad(eager, inputs, d_in)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
