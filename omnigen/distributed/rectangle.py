@@ -116,14 +116,10 @@ class KernelRectangle:
             out.index_copy_(2, index, x)
         return out
 
-    @staticmethod
-    def _take(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
-        return x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)
-
     def forward(self, q, k, v):
         out, lse = torch.ops.omnigen.attention(self._place(q, self.q_index), self._place(k, self.k_index),
                                                self._place(v, self.k_index), *self._inputs)
-        return self._take(out, self.q_index), self._take(lse.unsqueeze(-1), self.q_index).squeeze(-1)
+        return take_rows(out, self.q_index), take_rows(lse.unsqueeze(-1), self.q_index).squeeze(-1)
 
     def backward(self, d_out, q, k, v, out, lse):
         # Padding rows: q = dO = O = 0 and lse 0, so every product they take part in is exactly 0.
@@ -131,7 +127,7 @@ class KernelRectangle:
             self._place(d_out, self.q_index), self._place(q, self.q_index), self._place(k, self.k_index),
             self._place(v, self.k_index), self._place(out, self.q_index),
             self._place(lse.unsqueeze(-1), self.q_index).squeeze(-1), *self._inputs)
-        return self._take(dq, self.q_index), self._take(dk, self.k_index), self._take(dv, self.k_index)
+        return take_rows(dq, self.q_index), take_rows(dk, self.k_index), take_rows(dv, self.k_index)
 
 
 # ---- the rectangle's mask ------------------------------------------------------------------------------------
@@ -167,6 +163,11 @@ def as_index(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
     if len(rows) and rows[-1] - rows[0] == len(rows) - 1:
         return slice(int(rows[0]), int(rows[-1]) + 1)
     return torch.as_tensor(rows, device=device)
+
+
+def take_rows(x: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """Rows `index` (an `as_index`: a slice, a view, or an int64 tensor, a gather) of a [B, H, S, ...] tensor."""
+    return x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)
 
 
 def _global_tiles(positions: torch.Tensor, block: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,4 +277,4 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 
 
 __all__ = ["KernelRectangle", "ReferenceRectangle", "as_index", "batched", "kernel_tile_shapes", "rectangle_mask",
-           "square_positions"]
+           "square_positions", "take_rows"]
