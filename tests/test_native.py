@@ -47,6 +47,12 @@ def test_the_shim_builds_once_and_registers_cuda_kernels(shim_cache, monkeypatch
         dump = torch._C._dispatch_dump(f"omnigen::{op}")
         assert "CUDA: registered at" in dump and "ops.cpp" in dump, dump
         assert "CompositeExplicitAutograd" in dump  # the Python kernel stays for everything else
+        # Autograd on CUDA tensors is the shim's C++ (no Python between the dispatcher and the kernel, compiled
+        # graphs included); on CPU tensors it stays torch.library's Python formula.
+        table = dict(line.split(": ", 1) for line in torch._C._dispatch_dump_table(f"omnigen::{op}").splitlines()
+                     if ": " in line)
+        assert "ops.cpp" in table["AutogradCUDA"], table["AutogradCUDA"]
+        assert "custom_ops.py" in table["AutogradCPU"], table["AutogradCPU"]
     torch.ops.omnigen._forget_launch_choices()
     native.forget()
     # A second build of the same source is the cached entry; a damaged one is rebuilt.

@@ -6,10 +6,13 @@ tables. The backward saves q, k, v, out and lse (none of them tile-specific) and
 `omnigen::attention_backward`, itself an op, so `torch.compile` (AOTAutograd) sees the backward as one
 node too and eager and compiled gradients come from the same kernels.
 
-In eager mode `omnigen.attention` goes through `EagerAttention`, a plain autograd.Function around the same two
-ops: torch.library's Python autograd layer (the formula registered below) cost ~130 us of host time a forward on
-top of a Function's ~30 (RESULTS.md, 2026-11-24). The ops, their kernels and the saved tensors are the same either
-way; under torch.compile the op is called directly and AOTAutograd traces the registered formula.
+This formula is the ops' autograd on CPU and meta tensors, and on CUDA tensors where the op shim is not loaded.
+The shim (op/native/ops.cpp) registers the same formula in C++ for CUDA tensors, where it takes precedence: the
+Python one sits between the dispatcher and the kernel on every call, compiled graphs included.
+
+In eager mode without the shim `omnigen.attention` goes through `EagerAttention`, a plain autograd.Function around
+the same two ops: torch.library's Python autograd layer cost ~130 us of host time a forward on top of a Function's
+~30 (RESULTS.md, 2026-11-24). The ops, their kernels and the saved tensors are the same every way.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _backward(ctx, d_out, _d_lse):
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 # The ops' overloads, called without the custom-op objects' Python wrappers.
-_ATTENTION = torch.ops.omnigen.attention.default
+ATTENTION = torch.ops.omnigen.attention.default
 _ATTENTION_BACKWARD = torch.ops.omnigen.attention_backward.default
 _BelowAutograd = torch._C._AutoDispatchBelowAutograd
 
@@ -64,7 +67,7 @@ class EagerAttention(torch.autograd.Function):
         # layer would only step aside), and on CUDA with the shim loaded goes straight to its C++ kernel
         # (op/native/). A dispatch mode still sees the op: the Python key is below autograd.
         with _BelowAutograd():
-            output = _ATTENTION(*inputs)
+            output = ATTENTION(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 

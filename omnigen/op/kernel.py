@@ -80,10 +80,13 @@ def _call_op(q, k, v, mask: Mask, kernel_key: str, scale: float, deterministic: 
         q, k, v = permute.into_mask_order(mask, q, k, v)
     inputs = (q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality,
               mask.token_doc, kernel_key, scale, bool(deterministic))
-    # The op itself when compiling (AOTAutograd traces its registered backward); eagerly, the same op under a plain
-    # Function's autograd, which costs the host a quarter as much (op/autograd.py).
-    compiling = torch.compiler.is_compiling()
-    out, lse = torch.ops.omnigen.attention(*inputs) if compiling else autograd.EagerAttention.apply(*inputs)
+    # The op itself when compiling (AOTAutograd traces its backward) and on CUDA tensors with the shim loaded (its
+    # autograd is C++, op/native/); otherwise eagerly the same op under a plain Function's autograd, which costs the
+    # host a quarter as much as torch.library's Python autograd layer (op/autograd.py).
+    if torch.compiler.is_compiling() or (q.is_cuda and native.loaded()):
+        out, lse = autograd.ATTENTION(*inputs)
+    else:
+        out, lse = autograd.EagerAttention.apply(*inputs)
     if reordered:
         out, lse = permute.back_to_original(mask, out, lse)
     return (out, lse) if return_lse else out

@@ -1,8 +1,11 @@
 // omnigen's op shim: the CUDA kernels of omnigen::attention and omnigen::attention_backward, in C++, so that a
 // call goes from PyTorch's dispatcher to a generated module's launch with no Python in between.
 //
-// The ops themselves -- schemas, fake kernels, autograd -- are defined in Python (omnigen/op/library.py, which
-// also keeps the Python kernels used where this library is not built); this library only adds CUDA kernels.
+// The ops themselves -- schemas, fake kernels, CPU autograd -- are defined in Python (omnigen/op/library.py, which
+// also keeps the Python kernels used where this library is not built); this library adds their CUDA kernels and
+// their autograd on CUDA tensors. torch.library's autograd layer is Python: without the C++ one every call under
+// torch.compile (where AOTAutograd's graphs call the ops with grad off) still went through a Python function
+// before reaching the kernel (about 15 us a call on a 2-core CPU).
 // Built once per torch version by omnigen.jit (cache.get_host_library), loaded by omnigen/op/native/__init__.py.
 //
 // Which module runs a call -- the kernel's tuned forward or backward config for the sequence length -- is asked of
@@ -15,6 +18,8 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <mutex>
@@ -269,6 +274,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   return {heads_inner(B, Hq, S, D, q.options()).copy_(dq_accum), dk, dv};
 }
 
+// The op's autograd on CUDA tensors: what omnigen/op/autograd.py registers in Python, here in C++. Saves q, k, v,
+// out, lse, the token tables and the schedules (the backward may run another tile shape than the forward), and calls
+// omnigen::attention_backward through the dispatcher, so AOTAutograd traces that op into the backward graph.
+struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      at::TensorList schedules, c10::SymIntArrayRef tiles, const at::Tensor& token_segment,
+      const at::Tensor& token_modality, const at::Tensor& token_doc, c10::string_view kernel, double scale,
+      bool deterministic) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("omnigen::attention", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
+                             c10::SymIntArrayRef, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             c10::string_view, double, bool)>();
+    at::Tensor out, lse;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(out, lse) = op.call(q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale,
+                                   deterministic);
+    }
+    torch::autograd::variable_list saved{q, k, v, out, lse, token_segment, token_modality, token_doc};
+    saved.insert(saved.end(), schedules.begin(), schedules.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["tiles"] = tiles;
+    ctx->saved_data["kernel"] = std::string(kernel.data(), kernel.size());
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("omnigen::attention_backward", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, at::TensorList, c10::SymIntArrayRef,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, double,
+                             bool)>();
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const std::vector<at::Tensor> schedules(saved.begin() + 8, saved.end());
+    const at::Tensor d_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const std::vector<c10::SymInt> tiles = ctx->saved_data["tiles"].toSymIntVector();
+    const std::string kernel = ctx->saved_data["kernel"].toStringRef();
+    auto [dq, dk, dv] = op.call(d_out, q, k, v, out, lse, schedules, tiles, saved[5], saved[6], saved[7], kernel,
+                                ctx->saved_data["scale"].toDouble(), ctx->saved_data["deterministic"].toBool());
+    // One entry per forward argument, each schedule tensor counted: q, k, v, then nothing for the rest.
+    torch::autograd::variable_list gradients{dq, dk, dv};
+    gradients.resize(3 + schedules.size() + 7);
+    return gradients;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::TensorList schedules,
+    c10::SymIntArrayRef tiles, const at::Tensor& token_segment, const at::Tensor& token_modality,
+    const at::Tensor& token_doc, c10::string_view kernel, double scale, bool deterministic) {
+  const torch::autograd::variable_list outputs = AttentionFunction::apply(
+      q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, deterministic);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(omnigen, m) {
@@ -278,4 +348,11 @@ TORCH_LIBRARY_FRAGMENT(omnigen, m) {
 TORCH_LIBRARY_IMPL(omnigen, CUDA, m) {
   m.impl("attention", &attention_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
+}
+
+// Registered for AutogradCUDA itself, which takes precedence over the Python autograd torch.library put under the
+// Autograd alias key: CPU and meta tensors keep that one. The backward op has no derivative (no double backward).
+TORCH_LIBRARY_IMPL(omnigen, AutogradCUDA, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("attention_backward", torch::autograd::autogradNotImplementedFallback());
 }
