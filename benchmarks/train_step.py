@@ -296,11 +296,21 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, float32 [B, 1, S, head_dim / 2], for rotate-half RoPE at these positions."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions[:, None, :, None].float() * inv_freq
-    return angles.cos(), angles.sin()
+def rotary_table(positions: int, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """cos and sin of rotate-half RoPE's angles, float32 [2, positions, head_dim / 2], made once per model.
+
+    Looked up by position in every step (as Llama's and torchtitan's precomputed tables are) rather than computed
+    from the positions in the step: Inductor fused the angles' cos and sin into each layer's RoPE kernel, forward
+    and backward, and sin/cos of angles up to S made that kernel 11 ms a step at config (a), 8K (RESULTS.md)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
+    return torch.stack([angles.cos(), angles.sin()]).float()
+
+
+def rotary(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, float32 [B, 1, S, head_dim / 2], at these positions (int64 [B, S]) from rotary_table's table."""
+    cos_sin = table[:, positions[:, None, :]]
+    return cos_sin[0], cos_sin[1]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -356,9 +366,11 @@ class Transfusion(nn.Module):
     """Text and image tokens in one sequence; `forward` returns (loss, text CE, image MSE). `attend` is
     the attention backend's function (q [B, Hq, S, D], k/v [B, Hkv, S, D], its per-step mask)."""
 
-    def __init__(self, cfg: ModelConfig, attend: Attend, image_loss_weight: float = 5.0) -> None:
+    def __init__(self, cfg: ModelConfig, attend: Attend, image_loss_weight: float = 5.0,
+                 max_positions: int = 32768) -> None:
         super().__init__()
         self.cfg, self.attend, self.image_loss_weight = cfg, attend, image_loss_weight
+        self.register_buffer("rotary_table", rotary_table(max_positions, cfg.head_dim), persistent=False)
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.patch_in = nn.Linear(cfg.patch_dim, cfg.d_model, bias=False)
         self.noise_in = nn.Linear(1, cfg.d_model, bias=False)  # the image's noise level a, as Transfusion's timestep
@@ -381,7 +393,7 @@ class Transfusion(nn.Module):
         a = alpha[..., None]
         noisy = a.sqrt() * patches + (1 - a).sqrt() * noise
         x = torch.where(is_image[..., None], self.patch_in(noisy) + self.noise_in(a), self.embed(tokens))
-        cos, sin = rotary(positions, self.cfg.head_dim)
+        cos, sin = rotary(self.rotary_table, positions)
         for block in self.blocks:
             x = block(x, cos, sin, self.attend, mask)
         h = self.norm(x)
@@ -706,7 +718,7 @@ def train(backend: Backend, cfg: ModelConfig, seq_len: int, batch: int, batches:
     prepare_s = time.perf_counter() - start
     torch.manual_seed(s.seed)  # the same initial weights for every backend
     with torch.device(device):
-        model = Transfusion(cfg, backend.attend, s.image_loss_weight)
+        model = Transfusion(cfg, backend.attend, s.image_loss_weight, max_positions=seq_len)
     forward = torch.compile(model, fullgraph=s.fullgraph, dynamic=False) if s.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
@@ -1048,6 +1060,9 @@ def main(argv: list[str] | None = None) -> dict:
             batches = [make_batch(cfg, rules, S, B, i, seed=settings.seed, image_tokens=settings.image_tokens,
                                   documents=settings.documents, device=device) for i in range(count)]
             pairs = attention_pairs(batches[0].modality_ids, batches[0].document_ids, image_id)
+            share = 1 - 6.0 * cfg.matmul_params() * B * S / step_flops(cfg, B * S, pairs)
+            print(f"  S={S}: attention is {100 * share:.0f}% of the step's FLOPs on the Transfusion mask "
+                  f"({pairs / (B * S * (S + 1) / 2):.2f}x the causal mask's pairs)", flush=True)
             for backend in args.backends:
                 elapsed = time.perf_counter() - started
                 if args.budget_s is not None and elapsed + longest > args.budget_s:
@@ -1059,7 +1074,10 @@ def main(argv: list[str] | None = None) -> dict:
                     longest = max(longest, time.perf_counter() - started - elapsed)
                 if row["status"] == "ok":
                     row_pairs = B * S * (S + 1) // 2 if backend == "cudnn_causal" else pairs
-                    row["tflops"] = round(step_flops(cfg, B * S, row_pairs) / row["step_ms"] / 1e9, 1)
+                    flops = step_flops(cfg, B * S, row_pairs)
+                    row["tflops"] = round(flops / row["step_ms"] / 1e9, 1)
+                    # how much attention can move the step at all (Amdahl): its share of the step's FLOPs
+                    row["attention_flop_share"] = round(1 - 6.0 * cfg.matmul_params() * B * S / flops, 3)
                     row["attention_pairs_first_batch"] = row_pairs
                     print(f"  S={S:>6} B={B:<3} {backend:<13} {row['tokens_per_s']:>12,.0f} tokens/s  "
                           f"first step {row['first_step_s']:.1f} s  final loss {row['final_loss']:.4f}", flush=True)
