@@ -160,7 +160,27 @@ def measure(shape: tuple[int, int, int, int], reps: int, burst: int, layers: int
         for what in ("forward", "forward_backward"):
             print(f"-- cProfile, omnigen {what}, {profile_reps} calls")
             print(profile(calls["omnigen", what], profile_reps))
+        if compiled:
+            for peer in ("omnigen", "cudnn_causal"):
+                print(f"-- host ops of the compiled step, {peer}, {profile_reps} steps")
+                print(host_ops(calls[peer, "compiled_step"], profile_reps))
+                print(f"-- cProfile, compiled step, {peer}, {profile_reps} steps")
+                print(profile(calls[peer, "compiled_step"], profile_reps, top=15))
     return rows
+
+
+def host_ops(call: Callable[[], object], reps: int, top: int = 22) -> str:
+    """The PyTorch profiler's CPU side of `reps` calls: operators and CUDA runtime calls by their own host time,
+    with counts (where a compiled step's host time goes below Python: launches, allocations, copies)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda._sleep(SLEEP_CYCLES)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+    torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="layers of the compiled step")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled step")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also print cProfile's top functions over N omnigen calls (forward, forward+backward)")
+                        help="also print cProfile's top functions over N omnigen calls (forward, forward+backward), "
+                             "and for the compiled step of omnigen and cuDNN the profiler's host operators and cProfile")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

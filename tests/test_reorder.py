@@ -462,6 +462,13 @@ def test_the_gathers_are_differentiable_in_both_index_forms():
         assert torch.equal(gather_tokens(x, index, inverse), gather_tokens(x, index))
         assert torch.autograd.gradcheck(lambda t: gather_tokens(t, index, inverse), (x,))
         assert torch.autograd.gradgradcheck(lambda t: gather_tokens(t, index, inverse), (x,))
+        # its output takes in-place operations like any op's (a reordered call's output is one), gradients intact
+        d_out = torch.randn(x.shape, dtype=x.dtype, generator=gen)
+        out = gather_tokens(x, index, inverse)
+        out.mul_(3)
+        (got,) = torch.autograd.grad(out, x, d_out)
+        (want,) = torch.autograd.grad(3 * gather_tokens(x, index), x, d_out)
+        assert torch.equal(got, want)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -691,8 +698,9 @@ def test_a_cuda_graph_replays_attention_through_a_reordered_mask():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    for t in captured:
-        t.fill_(float("nan"))  # poison: only the replay writes them
+    with torch.no_grad():
+        for t in captured:
+            t.fill_(float("nan"))  # poison: only the replay writes them
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):

@@ -731,39 +731,49 @@ def take_tokens(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
     layout transposed, the heads-inner layout the kernels and the op's outputs use."""
     if index.device != x.device:
         index = index.to(x.device)
+    if dim == 0:
+        return x.index_select(0, index)
+    return _take_rows(x.movedim(dim, 1), index).movedim(1, dim)
+
+
+def _take_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """y [B, S, ...] gathered along dim 1 by index [S] or [B, S]: a new tensor, never a view."""
     if index.dim() == 1:
-        if dim == 0:
-            return x.index_select(0, index)
-        return x.movedim(dim, 1).index_select(1, index).movedim(1, dim)
+        return y.index_select(1, index)
     # Advanced indexing on the batch and the sequence moves whole rows (2x faster than torch.gather over an
     # expanded index on a CPU, as fast on an H100).
-    batch = torch.arange(x.shape[0], device=x.device)[:, None]
-    return x.movedim(dim, 1)[batch, index].movedim(1, dim)
+    batch = torch.arange(y.shape[0], device=y.device)[:, None]
+    return y[batch, index]
 
 
 class _Permute(torch.autograd.Function):
-    """A gather by a permutation whose backward is the gather by its inverse: autograd's own backward of a gather
-    is a zero-filled tensor plus an atomic add of every row (right for any index, repeats included), a third pass
-    over memory and atomics on bf16; for a permutation the inverse's gather gives the same rows in one pass."""
+    """A gather by a permutation along dim 1 whose backward is the gather by its inverse: autograd's own backward of
+    a gather is a zero-filled tensor plus an atomic add of every row (right for any index, repeats included), a third
+    pass over memory and atomics on bf16; for a permutation the inverse's gather gives the same rows in one pass.
+    Its output is a new tensor; the caller's movedim around it stays outside, so the result it hands on is a plain
+    view that in-place operations may modify (not one "created inside a custom Function", which autograd forbids)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, dim: int) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(index, inverse)
-        ctx.dim = dim
-        return take_tokens(x, index, dim)
+        return _take_rows(y, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         index, inverse = ctx.saved_tensors
         # Through _Permute again, so that a double backward is a gather as well.
-        return _Permute.apply(grad, inverse, index, ctx.dim), None, None, None
+        return _Permute.apply(grad, inverse, index), None, None
 
 
 def permute_tokens(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, dim: int) -> torch.Tensor:
     """`take_tokens` by a permutation `index` whose inverse is `inverse`; differentiable, its backward a gather."""
-    if x.requires_grad:
-        return _Permute.apply(x, index, inverse, dim)
-    return take_tokens(x, index, dim)
+    if not x.requires_grad:
+        return take_tokens(x, index, dim)
+    if index.device != x.device:
+        index, inverse = index.to(x.device), inverse.to(x.device)
+    if dim == 0:  # a sequence without a batch: index [S]
+        return _Permute.apply(x.unsqueeze(0), index, inverse).squeeze(0)
+    return _Permute.apply(x.movedim(dim, 1), index, inverse).movedim(1, dim)
 
 
 class ReorderedMask(Mask):
