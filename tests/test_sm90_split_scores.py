@@ -219,24 +219,26 @@ def test_runs_of_query_segments_per_warpgroup(seed):
                     assert ((keep >> (2 * (i // 4) + i % 2)) & 1) == expected, (warpgroup, int(key), lane, i)
 
 
-def test_the_option_is_off_by_default_and_only_splits_d256():
-    assert HopperOptions().split_scores is False and d256().options is None
-    on = d256(split_scores=True)
-    assert "split_scores1" in on.label
-    assert codegen.module_name(RULES, on) != codegen.module_name(RULES, d256())
+def test_the_option_is_on_by_default_and_only_splits_d256():
+    assert HopperOptions().split_scores is True and d256().options is None
+    on, off = d256(), d256(split_scores=False)
+    assert "split_scores0" in off.label and "split_scores" not in on.label
+    assert codegen.module_name(RULES, on) != codegen.module_name(RULES, off)
     r = resources.Resources(on)
     assert r.hopper_split_scores and r.hopper_score_columns == 32 and not r.backward_problems()
-    # dS^T once and P^T twice (8 KB each) where the default has dS^T twice: 8 KB more, and still inside sm_90a's limit.
-    assert r.hopper_shared_storage_bytes == resources.Resources(d256()).hopper_shared_storage_bytes + 8192
+    assert not resources.Resources(off).hopper_split_scores and resources.Resources(off).hopper_score_columns == 64
+    # dS^T once and P^T twice (8 KB each) where the split-columns kernel alone has dS^T twice: 8 KB more, and still
+    # inside sm_90a's limit.
+    assert r.hopper_shared_storage_bytes == resources.Resources(off).hopper_shared_storage_bytes + 8192
     assert r.hopper_shared_storage_bytes + 1024 <= ARCH_TABLE["sm_90a"].shared_memory
     d128 = KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128), options=HopperOptions(split_scores=True))
     assert not resources.Resources(d128).hopper_split_scores  # 128 keys: no split columns, nothing to split
 
 
 def test_the_rendered_kernel_uses_the_emulated_formulas():
-    """The formulas above, as the rendered split-scores kernel spells them; the default d256 kernel renders the
-    64-column scores and no shared-A key gradient."""
-    config = d256(split_scores=True)
+    """The formulas above, as the rendered split-scores kernel (d256's default) spells them; with the option off it
+    renders the 64-column scores and no shared-A key gradient."""
+    config = d256()
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     for text in (
             "constexpr bool kSplitScores = true;", "constexpr int kScoreColumns = 32;",
@@ -256,7 +258,8 @@ def test_the_rendered_kernel_uses_the_emulated_formulas():
             "wgmma_key_gradient_from_shared(gradient, sm90::advance(a0, k16 * 32), sm90::advance(b0, k16 * 16 * sm90::kBoxRowBytes), 1);",
             "alignas(1024) uint8_t p[kPBuffers][kDsBytes];"):
         assert text in backward, text
-    default = codegen.render(RULES, d256())[codegen.source_names(RULES, d256())["backward"]]
+    off = d256(split_scores=False)
+    default = codegen.render(RULES, off)[codegen.source_names(RULES, off)["backward"]]
     assert "constexpr bool kSplitScores = false;" in default and "m64n64k16.f32.bf16.bf16" in default
     assert "m64n32k16" not in default and "void wgmma_key_gradient_from_shared(float (&d)[64], uint64_t a, uint64_t b, int accumulate);" in default
 
@@ -275,7 +278,7 @@ def test_the_option_changes_constants_and_wgmma_shapes_only():
         ops = re.compile(r"// ---- wgmma instructions of this variant.*?// ---- the consumer's view", re.S)
         return ops.sub("", text).splitlines()
 
-    diff = [line[1:] for line in difflib.unified_diff(code(d256()), code(d256(split_scores=True)), lineterm="", n=0)
+    diff = [line[1:] for line in difflib.unified_diff(code(d256(split_scores=False)), code(d256()), lineterm="", n=0)
             if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     other = [line for line in diff if not line.lstrip().startswith("//") and "constexpr" not in line
              and "static_assert(sizeof(SharedStorage)" not in line]
