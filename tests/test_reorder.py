@@ -469,6 +469,11 @@ def test_the_gathers_are_differentiable_in_both_index_forms():
         (got,) = torch.autograd.grad(out, x, d_out)
         (want,) = torch.autograd.grad(3 * gather_tokens(x, index), x, d_out)
         assert torch.equal(got, want)
+    # [B, H, S, D] stored as such (batch and sequence not one dim of rows): the other gather, the same answers
+    plain = x.detach().contiguous().requires_grad_()
+    inverse = torch.argsort(per, dim=-1)
+    assert torch.equal(gather_tokens(plain, per, inverse), gather_tokens(x, per, inverse))
+    assert torch.autograd.gradcheck(lambda t: gather_tokens(t, per, inverse), (plain,))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
