@@ -750,8 +750,10 @@ def _take_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if y.stride(0) == S * y.stride(1):
             return y.flatten(0, 1).index_select(0, (index + S * batch).reshape(-1)).unflatten(0, (B, S))
         return y[batch, index]
-    found = _storage_rows(y)
-    if found is None:  # a layout with gaps or a strided last dim: advanced indexing takes any strides
+    # Compiled, Inductor makes its own gather kernel (and the strides may be symbolic). Eagerly, advanced indexing for a
+    # layout with gaps or a strided last dim: it takes any strides.
+    found = None if torch.compiler.is_compiling() else _storage_rows(y)
+    if found is None:
         return y[batch, index]
     rows, steps = found
     # The storage row of every output row (b, s, rest...): b, index[b, s] and the other dims by their row strides.
@@ -764,11 +766,11 @@ def _take_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_rows(y: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
-    """y's storage as a [rows, last dim] matrix and each other dim's stride in rows, when y covers its storage
-    densely with a contiguous last dim (any order of the other dims: [B, H, S, D] and [B, S, H, D] alike); else
-    None."""
+    """y's storage as a [rows, last dim] matrix and each other dim's stride in rows, when y [B, S, ..., D] covers its
+    storage densely with a contiguous last dim (any order of the other dims: [B, H, S, D] and [B, S, H, D] alike);
+    else None (and for [B, S] itself, whose last dim is the sequence)."""
     width = y.shape[-1]
-    if y.dim() < 2 or y.stride(-1) != 1 or any(size > 1 and stride % width for size, stride in
+    if y.dim() < 3 or y.stride(-1) != 1 or any(size > 1 and stride % width for size, stride in
                                                zip(y.shape[:-1], y.stride()[:-1])):
         return None
     order = sorted(range(y.dim() - 1), key=lambda d: -y.stride(d))
