@@ -2,10 +2,11 @@
 
 The mod is called on index tensors that broadcast against each other -- b [n, 1, 1], q_idx [1, rows, 1],
 kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles, `ruleless.slab_elements` pairs, in
-calls of at most EVAL_ELEMENTS pairs, fewer on a CPU), never on an S x S grid; each slab is evaluated once for every tile shape,
-classified exactly and its partial tiles packed to bits (`omnigen.plan.ruleless.classify_shapes`). A mod
-written for FlexAttention works unchanged when it uses tensor operations (FlexAttention vmaps it over scalars;
-here it sees whole blocks), which is what `create_block_mask` needs too.
+calls of at most EVAL_ELEMENTS pairs: one call on a GPU, several on a CPU), never on an S x S grid; each slab is
+evaluated once for every tile shape, classified exactly and its partial tiles packed to bits
+(`omnigen.plan.ruleless.classify_shapes`). A mod written for FlexAttention works unchanged when it uses tensor
+operations (FlexAttention vmaps it over scalars; here it sees whole blocks), which is what `create_block_mask` needs
+too.
 
 Masks are the same for every head: a mod that depends on `h` is refused, found by evaluating a sample of positions
 with two heads (a dependence the sample misses goes unnoticed: the mask is made with h = 0).
@@ -24,9 +25,11 @@ from .planners import _check_device
 from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
 
 # Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements): on a
-# GPU a quarter of a slab (large launches, temporaries ~128 MiB each); on a CPU few enough that the temporaries stay in
-# cache (8 MiB each: a mod over 2^24 pairs a call ran ~2x slower than over 2^20, measured on catalogue masks).
-EVAL_ELEMENTS = 1 << 24
+# GPU a whole slab in one call, since making a mask there is bound by the host's launches (a quarter of a slab a call
+# made 547 launches for a sliding window at 8K x 4, 108 of them the mod's, against create_block_mask's 79; RESULTS.md)
+# and the temporaries (~512 MiB each, freed before the slab is classified) are the price; on a CPU few enough that the temporaries stay in cache (8 MiB each: a mod over 2^24 pairs a call ran ~2x slower than
+# over 2^20, measured on catalogue masks).
+EVAL_ELEMENTS = 1 << 26
 CPU_EVAL_ELEMENTS = 1 << 20
 
 # Positions per axis of the sample that checks the mod against two heads.
