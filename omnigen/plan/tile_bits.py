@@ -16,8 +16,16 @@ import torch
 
 from .bits import thread_columns, mask_words
 
-# Tile elements packed at a time, about (bounded temporaries: an int16 copy of the values, int64 words of 8).
+# Tile elements packed at a time, about (bounded temporaries: an int16 copy of the values, int64 words of 8): on a CPU
+# few enough to stay in cache; on a GPU, where each of the ~9 operations a batch takes is a launch that costs the host
+# the same whatever its size, 8x more (random eviction's 8K partial tiles at 8K x 4 took ~1,150 packing launches at
+# the CPU's size).
 PACK_ELEMENTS = 1 << 22
+GPU_PACK_ELEMENTS = 1 << 25
+
+
+def pack_elements(device: torch.device) -> int:
+    return PACK_ELEMENTS if device.type == "cpu" else GPU_PACK_ELEMENTS
 
 
 def _columns(columns: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +42,7 @@ def pack(tiles: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     n, rows, columns = tiles.shape
     words = mask_words(columns)
     out = torch.empty(n, words, rows, 4, dtype=torch.int32, device=tiles.device)
-    step = max(1, PACK_ELEMENTS // max(1, rows * words * 128))
+    step = max(1, pack_elements(tiles.device) // max(1, rows * words * 128))
     for first in range(0, n, step):
         out[first : first + step] = _pack_bytes(tiles[first : first + step], words)
     return out
