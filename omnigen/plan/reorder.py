@@ -739,14 +739,16 @@ def take_tokens(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
 def _take_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """y [B, S, ...] gathered along dim 1 by index [S] or [B, S]: a new tensor, never a view.
 
-    A per-batch index goes through index_select over rows of y's storage (the last dim's, or batch x sequence's
-    where they make one dim): whole rows at the copy rate. Advanced indexing on the batch and sequence dims took
-    twice as long on an H100 (1.77 against 0.83 ms for the 8 gathers of a call at 4 x 16 x 8192 x 128, RESULTS.md)."""
-    if index.dim() == 1:
-        return y.index_select(1, index)
-    B, S = index.shape
+    Either index goes through index_select over the rows of y's storage (rows of its last dim): whole rows at the
+    copy rate. index_select over dim 1 of a strided [B, S, H, D] view, and advanced indexing on two dims, took twice
+    as long on an H100 at B = 4 (1.77 ms for the 8 gathers of a call at 4 x 16 x 8192 x 128, 0.83 at 1 x 16 x 32768 x
+    128, RESULTS.md)."""
+    B, S = y.shape[:2]
+    shared = index.dim() == 1  # one permutation for every batch element
     batch = torch.arange(B, device=index.device)[:, None]
     if torch.is_grad_enabled() and y.requires_grad:  # autograd's own backward (take_tokens without an inverse)
+        if shared:
+            return y.index_select(1, index)
         if y.stride(0) == S * y.stride(1):
             return y.flatten(0, 1).index_select(0, (index + S * batch).reshape(-1)).unflatten(0, (B, S))
         return y[batch, index]
@@ -754,13 +756,13 @@ def _take_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     # layout with gaps or a strided last dim: it takes any strides.
     found = None if torch.compiler.is_compiling() else _storage_rows(y)
     if found is None:
-        return y[batch, index]
+        return y.index_select(1, index) if shared else y[batch, index]
     rows, steps = found
     # The storage row of every output row (b, s, rest...): b, index[b, s] and the other dims by their row strides.
     which = batch * steps[0] + index * steps[1]
     for size, step in zip(y.shape[2:-1], steps[2:]):
         which = which[..., None] + torch.arange(size, device=index.device) * step
-    out = y.new_empty(index.shape + y.shape[2:])  # made here: the result is no view (_Permute returns it)
+    out = y.new_empty(y.shape)  # made here: the result is no view (_Permute returns it)
     torch.index_select(rows, 0, which.reshape(-1), out=out.view(-1, y.shape[-1]))
     return out
 
