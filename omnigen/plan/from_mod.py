@@ -24,11 +24,12 @@ from .masks import Mask
 from .planners import _check_device
 from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
 
-# Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements): on a
-# GPU a whole slab in one call, since making a mask there is bound by the host's launches (a quarter of a slab a call
-# made 547 launches for a sliding window at 8K x 4, 108 of them the mod's, against create_block_mask's 79; RESULTS.md)
-# and the temporaries (~512 MiB each, freed before the slab is classified) are the price; on a CPU few enough that the temporaries stay in cache (8 MiB each: a mod over 2^24 pairs a call ran ~2x slower than
-# over 2^20, measured on catalogue masks).
+# Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements). On a
+# GPU a whole slab in one call, since making a mask there was bound by the host's launches (a quarter of a slab a call
+# made 547 launches for a sliding window at 8K x 4, 108 of them the mod's, against create_block_mask's 79; RESULTS.md);
+# the temporaries, ~512 MiB each and freed before the slab is classified, are the price. On a CPU few enough that the
+# temporaries stay in cache (8 MiB each: a mod over 2^24 pairs a call ran ~2x slower than over 2^20, measured on
+# catalogue masks).
 EVAL_ELEMENTS = 1 << 26
 CPU_EVAL_ELEMENTS = 1 << 20
 
