@@ -1,0 +1,72 @@
+"""Where making a mask from a mask_mod spends its time on a GPU: the PyTorch profiler over `omnigen.mask_from_mod`
+(and FlexAttention's `create_block_mask` beside it), operators by their GPU time and by their host time, with the
+host syncs counted. For issue 29's "making a mask <= create_block_mask".
+
+    PYTHONPATH=. python3 scripts/profile_mask_making.py --masks global_sliding_window causal_documents --size 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import omnigen  # noqa: E402
+from omnigen.mask_catalogue import NAMES, catalogue_mask  # noqa: E402
+
+
+def _timed(make, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        make()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--masks", nargs="+", default=["global_sliding_window", "causal_documents"], choices=NAMES)
+    parser.add_argument("--size", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=18, help="operators shown per table")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_mask_making.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.profiler import ProfilerActivity, profile
+
+    S, B = args.size, max(1, args.tokens // args.size)
+    for name in args.masks:
+        mod = catalogue_mask(name, B, S, "cuda").mask_mod
+        makers = {"omnigen": lambda: omnigen.mask_from_mod(mod, B, S, "cuda", head_dim=args.head_dim,
+                                                              dtype=torch.bfloat16),
+                  "flex": lambda: create_block_mask(mod, B, None, S, S, device="cuda")}
+        for who, make in makers.items():
+            make()  # warm-up: kernels, caches
+            ms = _timed(make, 5)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                make()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            syncs = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::nonzero",
+                                                               "cudaStreamSynchronize", "cudaDeviceSynchronize"))
+            launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+            gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"== {name} S={S} B={B} {who}: {ms:.2f} ms median of 5; profiled run: {launches} launches, "
+                  f"{syncs} syncs, {gpu_ms:.2f} ms of GPU time")
+            for sort in ("self_cuda_time_total", "self_cpu_time_total"):
+                print(events.table(sort_by=sort, row_limit=args.rows, max_name_column_width=50))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
