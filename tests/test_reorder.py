@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 import omnigen
 from omnigen.mask_catalogue import NAMES, catalogue_mask
-from omnigen.plan.reorder import ReorderCosts, components, keyset_order, reverse_cuthill_mckee, segment_order
+from omnigen.plan.reorder import (ReorderCosts, components, keyset_order, permute_tokens, reverse_cuthill_mckee,
+                                   segment_order, take_tokens)
 from strategies import layouts as layout_strategy
 from strategies import rules as rules_strategy
 
@@ -839,3 +840,32 @@ def test_reordered_masks_compile_with_fullgraph(name):
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
         for got, want in zip(torch.autograd.grad(out, inputs, d_in), torch.autograd.grad(eager, inputs, d_in)):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("head_dim", [24, 64, 128, 256])
+def test_the_triton_row_gather_matches_pytorchs_gathers(head_dim):
+    from omnigen.plan import row_gather
+
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    B, H, S = 3, 5, 1000
+    standard = torch.randn(B, H, S, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    heads_inner = standard.transpose(1, 2).contiguous().transpose(1, 2)
+    activation = torch.randn(B, S, 7 * head_dim, device="cuda", generator=gen)  # [B, S, d]: dim 1
+    shared = torch.randperm(S, device="cuda", generator=gen)
+    per_batch = torch.stack([torch.randperm(S, device="cuda", generator=gen) for _ in range(B)])
+    for y in (standard.movedim(2, 1), heads_inner.movedim(2, 1), activation):
+        for index in (shared, per_batch):
+            assert row_gather.supported(y, index)
+            want = y.index_select(1, index) if index.dim() == 1 else y[torch.arange(B, device="cuda")[:, None], index]
+            got = row_gather.gather_rows(y, index)
+            assert got.is_contiguous() and torch.equal(got, want)
+    # through the differentiable permutation: forward and its backward (the inverse's gather) on the GPU path
+    x = standard.detach().float().requires_grad_()
+    inverse = torch.argsort(per_batch, dim=-1)
+    out = permute_tokens(x, per_batch, inverse, 2)
+    d_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, d_out)
+    assert torch.equal(out, take_tokens(x.detach(), per_batch, 2))
+    assert torch.equal(grad, take_tokens(d_out, inverse, 2))

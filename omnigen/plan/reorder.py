@@ -65,6 +65,7 @@ from ..errors import InputError, type_name
 from ..layout import Layout, LayoutBatch
 from ..semantics import CAUSAL, FULL, PARTIAL, SEE_CODES, SEE_EARLIER, SEE_NONE, pair_predicate, rule_tensors
 from .masks import Mask, _reads_bits, make_mask
+from . import row_gather
 from .planners import _check_device
 from .ruleless import classify_shapes, ruleless_mask
 from .bits import slot_words
@@ -739,10 +740,11 @@ def take_tokens(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
 def _take_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """y [B, S, ...] gathered along dim 1 by index [S] or [B, S]: a new tensor, never a view.
 
+    On a GPU a Triton program per token row (plan/row_gather.py says why). Elsewhere, and for what it does not take,
     index_select over dim 1 for a shared index, advanced indexing on the batch and sequence for per-batch ones (whole
-    rows; 2x faster than torch.gather over an expanded index on a CPU). On an H100 these take 1.77 ms for the 8
-    gathers of a call at 4 x 16 x 8192 x 128 and 0.83 ms at 1 x 16 x 32768 x 128; index_select over the storage's
-    rows of 128 elements instead took 2.80 ms there (RESULTS.md, fifteenth session), so it is not used."""
+    rows; 2x faster than torch.gather over an expanded index on a CPU)."""
+    if row_gather.supported(y, index):
+        return row_gather.gather_rows(y, index)
     if index.dim() == 1:
         return y.index_select(1, index)
     batch = torch.arange(y.shape[0], device=y.device)[:, None]
