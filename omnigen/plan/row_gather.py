@@ -1,4 +1,4 @@
-"""Token rows gathered by a permutation on a GPU, one Triton program per output token: the copy at the HBM's rate.
+"""Token rows gathered by a permutation on a GPU, one Triton program per output token (aiming at the copy rate).
 
 `gather_rows(y, index)` is `take_tokens`' gather (plan/reorder.py) of y [B, S, D] or [B, S, H, D] along dim 1 by an
 index [S] (every batch element) or [B, S]. PyTorch's own gathers ran at half the copy rate on an H100 at B = 4:
@@ -20,12 +20,16 @@ except ImportError:  # a CPU-only torch: the callers' PyTorch gathers
 
 # Elements a program moves per step of its loop over heads (H x D tiles of at most this many).
 TILE_ELEMENTS = 4096
+# Off until timed on a GPU: written when the session's device time had run out, its indexing checked only by
+# Triton's interpreter on the CPU. tests/test_reorder.py's GPU test checks it against PyTorch's gathers with it on;
+# scripts/bench_reorder.py with it on against off decides.
+ENABLED = False
 
 
 def supported(y: torch.Tensor, index: torch.Tensor) -> bool:
-    """Whether `gather_rows` takes these: CUDA tensors with a contiguous last dim, [B, S, D] or [B, S, H, D],
-    eagerly (compiled, Inductor makes its own gather)."""
-    return (triton is not None and y.is_cuda and index.device == y.device and y.dim() in (3, 4) and y.stride(-1) == 1
+    """Whether the gathers use `gather_rows` for these (when ENABLED): CUDA tensors with a contiguous last dim,
+    [B, S, D] or [B, S, H, D], eagerly (compiled, Inductor makes its own gather)."""
+    return (ENABLED and triton is not None and y.is_cuda and index.device == y.device and y.dim() in (3, 4) and y.stride(-1) == 1
             and index.dim() in (1, 2) and index.shape[-1] == y.shape[1] and not torch.compiler.is_compiling())
 
 
