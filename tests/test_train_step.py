@@ -131,6 +131,21 @@ def _backend(name: str, monkeypatch):
     return backend
 
 
+def test_the_rotary_table_gives_the_angles_cos_and_sin_at_each_position():
+    # The model looks RoPE's cos/sin up by position (one table per model) instead of computing them per step: the
+    # same numbers as the formula, in float64, at positions that restart with every document.
+    head_dim, theta = 16, 10000.0
+    table = train_step.rotary_table(600, head_dim, theta)
+    assert table.shape == (2, 600, head_dim // 2) and table.dtype == torch.float32
+    positions = torch.tensor([[0, 1, 2, 599, 0, 3], [5, 6, 7, 8, 0, 1]])
+    cos, sin = train_step.rotary(table, positions)
+    assert cos.shape == sin.shape == (2, 1, 6, head_dim // 2)
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions[:, None, :, None].double() * inv_freq
+    torch.testing.assert_close(cos.double(), angles.cos(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(sin.double(), angles.sin(), rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", train_step.MULTIMODAL)
 def test_backends_attend_with_the_transfusion_mask(name, monkeypatch):
     batch = _batch(2)
