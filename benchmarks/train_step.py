@@ -802,6 +802,11 @@ def step_flops(cfg: ModelConfig, tokens: int, pairs: int) -> float:
     return 6.0 * cfg.matmul_params() * tokens + 3.5 * 4.0 * cfg.head_dim * pairs * cfg.n_heads * cfg.n_layers
 
 
+def attention_flop_share(cfg: ModelConfig, tokens: int, pairs: int) -> float:
+    """Attention's part of `step_flops`: how much attention can move the step at all (Amdahl)."""
+    return 1 - 6.0 * cfg.matmul_params() * tokens / step_flops(cfg, tokens, pairs)
+
+
 # ------------------------------------------------------------------------------------------------
 # summary: ratios, loss agreement, table, plot
 
@@ -1060,7 +1065,7 @@ def main(argv: list[str] | None = None) -> dict:
             batches = [make_batch(cfg, rules, S, B, i, seed=settings.seed, image_tokens=settings.image_tokens,
                                   documents=settings.documents, device=device) for i in range(count)]
             pairs = attention_pairs(batches[0].modality_ids, batches[0].document_ids, image_id)
-            share = 1 - 6.0 * cfg.matmul_params() * B * S / step_flops(cfg, B * S, pairs)
+            share = attention_flop_share(cfg, B * S, pairs)
             print(f"  S={S}: attention is {100 * share:.0f}% of the step's FLOPs on the Transfusion mask "
                   f"({pairs / (B * S * (S + 1) / 2):.2f}x the causal mask's pairs)", flush=True)
             for backend in args.backends:
@@ -1074,10 +1079,8 @@ def main(argv: list[str] | None = None) -> dict:
                     longest = max(longest, time.perf_counter() - started - elapsed)
                 if row["status"] == "ok":
                     row_pairs = B * S * (S + 1) // 2 if backend == "cudnn_causal" else pairs
-                    flops = step_flops(cfg, B * S, row_pairs)
-                    row["tflops"] = round(flops / row["step_ms"] / 1e9, 1)
-                    # how much attention can move the step at all (Amdahl): its share of the step's FLOPs
-                    row["attention_flop_share"] = round(1 - 6.0 * cfg.matmul_params() * B * S / flops, 3)
+                    row["tflops"] = round(step_flops(cfg, B * S, row_pairs) / row["step_ms"] / 1e9, 1)
+                    row["attention_flop_share"] = round(attention_flop_share(cfg, B * S, row_pairs), 3)
                     row["attention_pairs_first_batch"] = row_pairs
                     print(f"  S={S:>6} B={B:<3} {backend:<13} {row['tokens_per_s']:>12,.0f} tokens/s  "
                           f"first step {row['first_step_s']:.1f} s  final loss {row['final_loss']:.4f}", flush=True)

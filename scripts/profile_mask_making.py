@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,16 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import omnigen  # noqa: E402
 from omnigen.mask_catalogue import NAMES, catalogue_mask  # noqa: E402
 
-
-def _timed(make, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        make()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_mask_making import timed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               dtype=torch.bfloat16),
                   "flex": lambda: create_block_mask(mod, B, None, S, S, device="cuda")}
         for who, make in makers.items():
-            make()  # warm-up: kernels, caches
-            ms = _timed(make, 5)
+            ms, _ = timed(make, torch.device("cuda"), 5)  # after one untimed call: kernels, caches
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 make()
                 torch.cuda.synchronize()
@@ -60,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             syncs = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::nonzero",
                                                                "cudaStreamSynchronize", "cudaDeviceSynchronize"))
             launches = sum(e.count for e in events if "LaunchKernel" in e.key)
-            gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
+            # the kernels themselves (an operator's row repeats its kernels' time)
+            gpu_ms = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
             print(f"== {name} S={S} B={B} {who}: {ms:.2f} ms median of 5; profiled run: {launches} launches, "
                   f"{syncs} syncs, {gpu_ms:.2f} ms of GPU time")
             for sort in ("self_cuda_time_total", "self_cpu_time_total"):

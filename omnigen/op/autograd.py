@@ -63,9 +63,9 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        # This Function is the autograd: the op is dispatched below the autograd keys (the op's own Python autograd
-        # layer would only step aside), and on CUDA with the shim loaded goes straight to its C++ kernel
-        # (op/native/). A dispatch mode still sees the op: the Python key is below autograd.
+        # This Function is the autograd (CPU tensors, or CUDA without the shim, whose C++ autograd kernel.py calls
+        # instead): the op is dispatched below the autograd keys, where torch.library's Python autograd layer would
+        # only step aside. A dispatch mode still sees the op: the Python key is below autograd.
         with _BelowAutograd():
             output = ATTENTION(*inputs)
         _setup_context(ctx, inputs, output)

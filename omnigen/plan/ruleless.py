@@ -52,7 +52,7 @@ from . import bits
 from .masks import CAPACITY_LIMIT, PER_SHAPE, SCHEDULE_TENSORS, Mask, _capacity
 from .planners import _check_block
 from .schedule import Plan
-from .tile_bits import GPU_PACK_ELEMENTS, pack, unpack
+from .tile_bits import pack, pack_elements, unpack
 
 # The rule set every mask without rules carries: its key tells the op and the kernels "partial tiles from bits
 # only". One modality that sees all of its own segment and nothing else; the masks' tables are all pad (see above).
@@ -141,13 +141,6 @@ def slab_elements(device: torch.device) -> int:
 # Count cells are at most this many rows: `_cell_counts` adds 0/1 bytes of int64 words row by row, so a byte of the
 # sum holds at most this many (< 128: no carry into the next byte, no signed overflow of the top one).
 CELL_ROWS = 64
-# Partial tiles' elements gathered before they are packed to bits together (a few launches per batch, not per slab;
-# on a GPU as many as tile_bits packs in one go there).
-PACK_BATCH = 1 << 22
-
-
-def pack_batch(device: torch.device) -> int:
-    return PACK_BATCH if device.type == "cpu" else max(PACK_BATCH, GPU_PACK_ELEMENTS)
 
 
 def _cell_counts(data: torch.Tensor, gm: int, gn: int) -> torch.Tensor:
@@ -226,8 +219,8 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     diagonal only in the band of columns the diagonal crosses (left of it none, right of it all); each shape's tile
     counts are sums of cells, its kinds `kinds_from_counts` of them (lower counts in closed form: `lower_grid`). The
     host waits once per slab, for the number of partial tiles of each shape and the slab's pairs; the partial tiles'
-    blocks are gathered and packed to bits in batches (`_Packer`): memory O(slab + pack_batch + partial tiles' bits).
-    Work O(B S^2), launches O(slabs x shapes + partial tiles / pack_batch)."""
+    blocks are gathered and packed to bits in batches (`_Packer`): memory O(slab + pack_elements + partial tiles' bits).
+    Work O(B S^2), launches O(slabs x shapes + partial tiles / pack_elements)."""
     plans = {}
     for group in _shape_groups(S, shapes, slab_elements(device)):
         for plan in _classify_group(slab, B, S, group, device):
@@ -300,8 +293,9 @@ def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
 
 
 class _Packer:
-    """Partial tiles' blocks gathered from slabs, packed to both schedules' bits pack_batch elements at a time: memory
-    O(pack_batch + partial tiles' bits), and the packing's launches scale with the partial tiles, not the slabs."""
+    """Partial tiles' blocks gathered from slabs, packed to both schedules' bits as many elements at a time as
+    `tile_bits.pack` packs in one go on their device (a few launches per batch, not per slab): memory
+    O(pack_elements + partial tiles' bits), and the packing's launches scale with the partial tiles, not the slabs."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, ...]] = []
@@ -311,7 +305,7 @@ class _Packer:
     def add(self, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor, blocks: torch.Tensor) -> None:
         self.pending.append((b, i, j, blocks))
         self.elements += blocks.numel()
-        if self.elements >= pack_batch(blocks.device):
+        if self.elements >= pack_elements(blocks.device):
             self._flush()
 
     def _flush(self) -> None:
