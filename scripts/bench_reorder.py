@@ -245,8 +245,9 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=None,
                         help="width of the activation permuted once per step (default heads x dim)")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--row-gather", action="store_true",
-                        help="gather tokens with omnigen/plan/row_gather.py's Triton kernel (off by default until timed)")
+    parser.add_argument("--pytorch-gathers", action="store_true",
+                        help="gather tokens with PyTorch's index_select / indexing only, not omnigen/plan/row_gather.py's "
+                             "Triton kernel (to time one against the other)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args()
@@ -255,9 +256,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_reorder needs a CUDA GPU")
     from omnigen.plan import row_gather
-    row_gather.ENABLED = args.row_gather
+    row_gather.ENABLED = not args.pytorch_gathers
     rows = [run_one(name, S, args) for name in args.masks for S in args.sizes]
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "row_gather": args.row_gather,
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "row_gather": row_gather.ENABLED,
             "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(info, indent=1))

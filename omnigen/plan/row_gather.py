@@ -6,6 +6,11 @@ index [S] (every batch element) or [B, S]. PyTorch's own gathers ran at half the
 of a reordered call at 4 x 16 x 8192 x 128 (0.83 ms at B = 1), and `index_select` over rows of D elements 2.80 ms
 (RESULTS.md, fifteenth session). Here a program reads one source token's H x D values (each head's D contiguous:
 16-byte loads) and writes them as one contiguous row of the output, [B, S, H, D] (the kernels' heads-inner layout).
+
+Where it is used is what the H100 measured (RESULTS.md, sixteenth session): per-head tensors [B, S, H, D] with B > 1,
+where the 8 gathers of a reordered call at 4 x 16 x 8192 x 128 went from 1.73-1.80 ms to 0.82-0.87 ms. At B = 1
+`index_select` over the sequence is as fast (0.83-0.84 against 0.85-0.87 ms), and a [B, S, d_model] activation was
+slower this way (its permutation fwd+bwd 0.58-0.68 against 0.71-0.88 ms): both keep PyTorch's gathers.
 """
 
 from __future__ import annotations
@@ -20,22 +25,23 @@ except ImportError:  # a CPU-only torch: the callers' PyTorch gathers
 
 # Elements a program moves per step of its loop over heads (H x D tiles of at most this many).
 TILE_ELEMENTS = 4096
-# Off until timed on a GPU: written when the session's device time had run out, its indexing checked only by
-# Triton's interpreter on the CPU. tests/test_reorder.py's GPU test checks it against PyTorch's gathers with it on;
-# scripts/bench_reorder.py with it on against off decides.
-ENABLED = False
+# The switch `scripts/bench_reorder.py --pytorch-gathers` turns off, to time PyTorch's gathers against this one.
+ENABLED = True
 
 
 def supported(y: torch.Tensor, index: torch.Tensor) -> bool:
-    """Whether the gathers use `gather_rows` for these (when ENABLED): CUDA tensors with a contiguous last dim,
-    [B, S, D] or [B, S, H, D], eagerly (compiled, Inductor makes its own gather)."""
-    return (ENABLED and triton is not None and y.is_cuda and index.device == y.device and y.dim() in (3, 4) and y.stride(-1) == 1
-            and index.dim() in (1, 2) and index.shape[-1] == y.shape[1] and not torch.compiler.is_compiling())
+    """Whether the gathers use `gather_rows` for these: when ENABLED, per-head CUDA tensors [B, S, H, D] with B > 1
+    and a contiguous last dim, eagerly (compiled, Inductor makes its own gather). `gather_rows` itself also takes
+    [B, S, D] and B = 1; the module docstring says why the gathers leave those to PyTorch."""
+    return (ENABLED and triton is not None and y.is_cuda and index.device == y.device and y.dim() == 4
+            and y.shape[0] > 1 and y.stride(-1) == 1 and index.dim() in (1, 2) and index.shape[-1] == y.shape[1]
+            and not torch.compiler.is_compiling())
 
 
 def gather_rows(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """out [B, S, ...] (contiguous, a new tensor) with out[b, s] = y[b, index[s]] (index [S]) or y[b, index[b, s]]
-    (index [B, S]). Needs `supported(y, index)`."""
+    (index [B, S]). Needs CUDA tensors [B, S, D] or [B, S, H, D] with a contiguous last dim (`supported` says where
+    the gathers choose it)."""
     heads = y.dim() == 4
     B, S, D = y.shape[0], y.shape[1], y.shape[-1]
     H = y.shape[2] if heads else 1
