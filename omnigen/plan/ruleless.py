@@ -48,7 +48,7 @@ import torch
 from ..layout import Layout, LayoutBatch
 from ..rules import Rules
 from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS
-from . import bits
+from . import bits, classify_gpu
 from .masks import CAPACITY_LIMIT, PER_SHAPE, SCHEDULE_TENSORS, Mask, _capacity
 from .planners import _check_block
 from .schedule import Plan
@@ -79,7 +79,8 @@ class ShapePlan:
     that makes them again on each call (they are walked twice, so a maker that can evaluate them cheaply does not
     hold every partial tile's block at once). A maker that packed the blocks already gives `packed` instead: chunks
     of (batch, q-tile, kv-tile, forward slot words [n, ...], backward slot words [n, ...]) (`tile_bits.pack`), so
-    only bits are held. `partial_count`: the partial tiles of `kinds`, where the maker knows it without a host wait."""
+    only bits are held. `partial_count`: the partial tiles of `kinds`, where the maker knows it without a host wait.
+    `fused`: what `classify_gpu` left instead of `packed` (buffers of words and row counts its schedules read)."""
 
     block_m: int
     block_n: int
@@ -88,6 +89,7 @@ class ShapePlan:
     partials: Iterable[tuple[torch.Tensor, ...]] | Callable[[], Iterable[tuple[torch.Tensor, ...]]]
     packed: list[tuple[torch.Tensor, ...]] | None = None
     partial_count: int | None = None
+    fused: classify_gpu.FusedTiles | None = None
 
     def partial_chunks(self) -> Iterable[tuple[torch.Tensor, ...]]:
         return self.partials() if callable(self.partials) else self.partials
@@ -228,15 +230,27 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     return [plans[shape] for shape in shapes]
 
 
-def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> list[ShapePlan]:
+def _slab_geometry(B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> tuple[int, int, int, int]:
+    """(columns padded to whole tiles of every shape, rows padded likewise, rows per slab, batch elements per slab):
+    slabs of whole block-rows of every shape, as many as `slab_elements(device)` holds."""
     unit_m, unit_n = _lcm(m for m, _ in shapes), _lcm(n for _, n in shapes)
-    gm = math.gcd(CELL_ROWS, *(m for m, _ in shapes))
-    gn = math.gcd(*(n for _, n in shapes))
-    width = unit_n * -(-S // unit_n)  # columns, padded to whole tiles of every shape
+    width = unit_n * -(-S // unit_n)
     all_rows = unit_m * -(-S // unit_m)
     budget = slab_elements(device)
     rows = min(all_rows, max(unit_m, budget // width // unit_m * unit_m))
-    per_batch = max(1, budget // (rows * width))
+    return width, all_rows, rows, max(1, budget // (rows * width))
+
+
+def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> list[ShapePlan]:
+    if classify_gpu.supported(device):  # a few Triton launches per slab instead of ~50 operations per shape
+        width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, device)
+        slabs = [(b0, min(B, b0 + per_batch), r0, min(S, r0 + rows))
+                 for r0 in range(0, S, rows) for b0 in range(0, B, per_batch)]
+        return [ShapePlan(m, n, made.kinds, made.pairs, [], partial_count=made.partial_count, fused=made.fused)
+                for (m, n), made in zip(shapes, classify_gpu.classify(slab, B, S, shapes, slabs, device))]
+    gm = math.gcd(CELL_ROWS, *(m for m, _ in shapes))
+    gn = math.gcd(*(n for _, n in shapes))
+    width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, device)  # width: columns padded to whole tiles
     grids = [(-(-S // m), -(-S // n)) for m, n in shapes]
     kinds = [torch.empty(B, nq, nk, dtype=torch.int8, device=device) for nq, nk in grids]
     areas = [tile_area(S, m, n, device) for m, n in shapes]
@@ -409,16 +423,23 @@ def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device
         block_m, block_n = shape.block_m, shape.block_n
         kinds = shape.kinds.to(device)
         shape.kinds = kinds
-        fwd_ptr, fwd_kv, bwd_ptr, bwd_q = schedules_from_kinds(kinds)
+        tiles = B * -(-S // block_m) * -(-S // block_n)
         partial = shape.partial_count if shape.partial_count is not None else int((kinds == PARTIAL).sum())
         capacity = capacity_of(partial_bits, partial, B, S, block_m, block_n)
-        if shape.packed is None and not callable(shape.partials):
-            shape.partials = list(shape.partials)  # walked twice: forward and backward slots
-        forward = _slots(shape, fwd_ptr, capacity, False, device)
-        backward = _slots(shape, bwd_ptr, capacity, True, device)
+        if shape.fused is not None:  # classify_gpu's schedules: a few launches each, no host wait
+            index_size = tiles if tiles <= CAPACITY_LIMIT else shape.fused.visited
+            fwd_ptr, fwd_kv, *forward = classify_gpu.schedule(kinds, shape.fused, block_m, block_n, False, partial,
+                                                              capacity, index_size)
+            bwd_ptr, bwd_q, *backward = classify_gpu.schedule(kinds, shape.fused, block_m, block_n, True, partial,
+                                                              capacity, index_size)
+        else:
+            fwd_ptr, fwd_kv, bwd_ptr, bwd_q = schedules_from_kinds(kinds)
+            if shape.packed is None and not callable(shape.partials):
+                shape.partials = list(shape.partials)  # walked twice: forward and backward slots
+            forward = _slots(shape, fwd_ptr, capacity, False, device)
+            backward = _slots(shape, bwd_ptr, capacity, True, device)
         plan = Plan(block_m, block_n, B, S, batched, fwd_ptr, fwd_kv, bwd_ptr, bwd_q, shape.pairs, tables,
                     RULELESS_RULES.mask_hash())
-        tiles = B * -(-S // block_m) * -(-S // block_n)
         if tiles <= CAPACITY_LIMIT:  # schedule buffers of fixed size, as make_mask keeps them
             fwd_kv, bwd_q = _capacity(fwd_kv, tiles), _capacity(bwd_q, tiles)
         else:
