@@ -158,6 +158,11 @@ def _fits_int32(*values: int) -> bool:
     return all(-(2**31) <= v < 2**31 for v in values)
 
 
+def _block(n: int) -> int:
+    """Entries per loop step of a program walking `n`: ROW_BLOCK, or fewer for short rows (a few compiled sizes)."""
+    return max(16, min(ROW_BLOCK, triton.next_power_of_2(max(1, n))))
+
+
 def _launch_classify(data: torch.Tensor, kinds: torch.Tensor, slot_of: torch.Tensor, buffers: _SlotBuffers,
                      counters: torch.Tensor, forward_counts: torch.Tensor, backward_counts: torch.Tensor, b0: int,
                      r0: int, i0: int, tile_rows: int, S: int, nq: int, nk: int, shape: int, n_shapes: int,
@@ -196,10 +201,10 @@ def schedule(kinds: torch.Tensor, fused: FusedTiles, block_m: int, block_n: int,
     ints = (rows, row_tiles, entries, nq, nk)
     direct = DIRECT_LAUNCH and _fits_int32(B * nq * nk) and launch_hooks_idle()
     with _on(device):
-        _SCAN((1, 1, 1), (counts, ptr, starts, rows), (ROW_BLOCK,), 4, direct)
+        _SCAN((1, 1, 1), (counts, ptr, starts, rows), (_block(rows),), 4, direct)
         if rows:
             _SCHEDULE((rows, 1, 1), (kinds, fused.slot_of, ptr, starts, index, sources,
-                                     *ints), (ROW_BLOCK, bool(transposed)), 4, direct)
+                                     *ints), (_block(entries), bool(transposed)), 4, direct)
     size = slot_words(block_m, block_n, transposed)
     words = (torch.zeros if capacity > partial else torch.empty)(capacity * size, dtype=torch.int32, device=device)
     if partial:

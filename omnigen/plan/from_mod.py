@@ -92,16 +92,16 @@ def _positive(name: str, value: object) -> str | None:
     return None
 
 
-def _check_heads(mod: _Mod, B: int, S: int, device: torch.device) -> None:
-    """A sample of positions evaluated with h = 0 and h = 1: they must agree (masks are head-independent)."""
-    positions = torch.linspace(0, S - 1, min(S, HEAD_SAMPLE), device=device).round().long().unique()
-    b = torch.arange(min(B, 4), device=device)[:, None, None]
+def _check_heads(mod: _Mod, batches: torch.Tensor, S: int, device: torch.device) -> None:
+    """A sample of positions evaluated with h = 0 and h = 1: they must agree (masks are head-independent). `batches`:
+    arange(B) on `device`. One host wait on a GPU (the sample's positions are chosen on the host)."""
+    positions = torch.linspace(0, S - 1, min(S, HEAD_SAMPLE)).round().long().unique().to(device)
+    b = batches[:4, None, None]
     q, kv = positions[None, :, None], positions[None, None, :]
     first = mod(b, q, kv)
     other = mod(b, q, kv, torch.ones((), dtype=torch.int64, device=device))
-    differ = (first != other).nonzero()
-    if differ.numel():
-        bi, qi, ki = differ[0].tolist()
+    if bool((first != other).any()):
+        bi, qi, ki = (first != other).nonzero()[0].tolist()
         raise InputError([f"mask_mod depends on the head h: at b={bi}, q_idx={int(positions[qi])}, "
                           f"kv_idx={int(positions[ki])} it gives {bool(first[bi, qi, ki])} for h=0 and "
                           f"{bool(other[bi, qi, ki])} for h=1; an omnigen mask is the same for every head, so make the "
@@ -140,20 +140,22 @@ def mask_from_mod(
     check_capacity_choice(partial_bits)
     device = _check_device(device)
     mod = _Mod(mask_mod, device)
-    _check_heads(mod, B, S, device)
     batches = torch.arange(B, device=device)
+    _check_heads(mod, batches, S, device)
+    # Every slab's indices are views of these (no launches per slab).
+    positions = torch.arange(S, device=device)
+    keys = positions[None, None, :]
 
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         b = batches[b0:b1, None, None]
-        keys = torch.arange(S, device=device)[None, None, :]
         budget = CPU_EVAL_ELEMENTS if device.type == "cpu" else EVAL_ELEMENTS
         rows = max(1, budget // ((b1 - b0) * S))
         if rows >= r1 - r0:  # one call: its result is the slab (no copy)
-            return mod(b, torch.arange(r0, r1, device=device)[None, :, None], keys)
+            return mod(b, positions[r0:r1, None][None], keys)
         out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
         width = max(1, budget // (b1 - b0))  # keys per call when even one row is too many
         for q0 in range(r0, r1, rows):
-            q = torch.arange(q0, min(r1, q0 + rows), device=device)[None, :, None]
+            q = positions[q0 : min(r1, q0 + rows), None][None]
             for c0 in range(0, S, width):
                 c1 = min(S, c0 + width)
                 out[:, q0 - r0 : q0 - r0 + q.shape[1], c0:c1] = mod(b, q, keys[..., c0:c1])
