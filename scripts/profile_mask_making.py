@@ -3,6 +3,10 @@
 host syncs counted. For issue 29's "making a mask <= create_block_mask".
 
     PYTHONPATH=. python3 scripts/profile_mask_making.py --masks global_sliding_window causal_documents --size 8192
+
+With --compare-fused it makes each mask twice, through the torch path (plan/classify_gpu.py's ENABLED off) and the
+Triton path (on), checks that the two masks are bit-identical, and prints one summary line per maker (ms, launches,
+syncs, GPU ms) before the tables (--rows 0: the summaries only).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import omnigen  # noqa: E402
 from omnigen.mask_catalogue import NAMES, catalogue_mask  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_mask_making import timed  # noqa: E402
+from bench_mask_making import digest, timed  # noqa: E402
+from omnigen.plan import classify_gpu  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--rows", type=int, default=18, help="operators shown per table")
+    parser.add_argument("--compare-fused", action="store_true",
+                        help="omnigen's torch path and its Triton path (classify_gpu.ENABLED off / on), both checked "
+                             "bit-identical, beside create_block_mask")
+    parser.add_argument("--eval-elements", type=int, default=None,
+                        help="pairs per slab and per call of the mod on the GPU (ruleless.GPU_SLAB_ELEMENTS and "
+                             "from_mod.EVAL_ELEMENTS, default 2^26): fewer slabs, fewer launches of the mod, larger "
+                             "temporaries (8 bytes a pair each)")
     args = parser.parse_args(argv)
+    if args.eval_elements is not None:
+        from omnigen.plan import from_mod, ruleless
+        ruleless.GPU_SLAB_ELEMENTS = from_mod.EVAL_ELEMENTS = args.eval_elements
     if not torch.cuda.is_available():
         print("profile_mask_making.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -38,9 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     S, B = args.size, max(1, args.tokens // args.size)
     for name in args.masks:
         mod = catalogue_mask(name, B, S, "cuda").mask_mod
-        makers = {"omnigen": lambda: omnigen.mask_from_mod(mod, B, S, "cuda", head_dim=args.head_dim,
-                                                              dtype=torch.bfloat16),
-                  "flex": lambda: create_block_mask(mod, B, None, S, S, device="cuda")}
+
+        def omnigen_maker(fused: bool | None):
+            def make():
+                saved = classify_gpu.ENABLED
+                classify_gpu.ENABLED = saved if fused is None else fused
+                try:
+                    return omnigen.mask_from_mod(mod, B, S, "cuda", head_dim=args.head_dim, dtype=torch.bfloat16)
+                finally:
+                    classify_gpu.ENABLED = saved
+            return make
+
+        makers = ({"omnigen-torch": omnigen_maker(False), "omnigen-triton": omnigen_maker(True)}
+                  if args.compare_fused else {"omnigen": omnigen_maker(None)})
+        makers["flex"] = lambda: create_block_mask(mod, B, None, S, S, device="cuda")
+        if args.compare_fused:
+            same = digest(makers["omnigen-torch"]()) == digest(makers["omnigen-triton"]())
+            print(f"== {name} S={S} B={B}: torch and Triton paths' masks bit-identical: {same}")
         for who, make in makers.items():
             ms, _ = timed(make, torch.device("cuda"), 5)  # after one untimed call: kernels, caches
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -54,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_ms = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
             print(f"== {name} S={S} B={B} {who}: {ms:.2f} ms median of 5; profiled run: {launches} launches, "
                   f"{syncs} syncs, {gpu_ms:.2f} ms of GPU time")
-            for sort in ("self_cuda_time_total", "self_cpu_time_total"):
+            for sort in ("self_cuda_time_total", "self_cpu_time_total") if args.rows > 0 else ():
                 print(events.table(sort_by=sort, row_limit=args.rows, max_name_column_width=50))
     return 0
 
