@@ -34,8 +34,10 @@ from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS
 from .bits import mask_words, slot_words
 from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unspecialised_jit
 
-# On by default on CUDA; scripts/profile_mask_making.py --compare-fused times the torch path with it off.
-ENABLED = True
+# Off until timed on a GPU: written without one, checked bit-identical to the torch path in Triton's interpreter and
+# compiled for sm_90 only. tests/test_classify_gpu.py's GPU tests compare both paths whatever this says;
+# scripts/profile_mask_making.py --compare-fused times both (and create_block_mask) and decides.
+ENABLED = False
 
 # Bytes of slot buffers (both schedules' words) a shape starts with, at most (never more than every tile's): enough
 # for every partial tile of the catalogue's masks at 8K x 4, so the host does not wait to grow them.
@@ -51,8 +53,8 @@ Slab = Callable[[int, int, int, int], torch.Tensor]
 
 
 def supported(device: torch.device) -> bool:
-    """Whether masks on `device` are classified here: CUDA with Triton, while ENABLED (tests also run it on a CPU
-    under Triton's interpreter by replacing this function)."""
+    """Whether masks on `device` are classified here: CUDA with Triton, while ENABLED (tests replace this function to
+    run the path regardless, on CUDA or on a CPU under Triton's interpreter)."""
     return ENABLED and triton is not None and device.type == "cuda"
 
 
@@ -128,8 +130,7 @@ def classify(slab: Slab, B: int, S: int, shapes: list[tuple[int, int]], slabs: l
     buffers = [_SlotBuffers(m, n, B * nq * nk, device) for (m, n), (nq, nk) in zip(shapes, grids)]
     for b0, b1, r0, r1 in slabs:
         data = slab(b0, b1, r0, r1)
-        if data.dtype == torch.bool:
-            data = data.view(torch.uint8)
+        data = (data if data.dtype == torch.bool else data != 0).view(torch.uint8)  # the kernel reads bytes
         for s, ((m, n), (nq, nk)) in enumerate(zip(shapes, grids)):
             i0, i1 = r0 // m, -(-r1 // m)
             tiles = (b1 - b0) * (i1 - i0) * nk

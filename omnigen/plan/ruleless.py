@@ -222,7 +222,10 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     counts are sums of cells, its kinds `kinds_from_counts` of them (lower counts in closed form: `lower_grid`). The
     host waits once per slab, for the number of partial tiles of each shape and the slab's pairs; the partial tiles'
     blocks are gathered and packed to bits in batches (`_Packer`): memory O(slab + pack_elements + partial tiles' bits).
-    Work O(B S^2), launches O(slabs x shapes + partial tiles / pack_elements)."""
+    Work O(B S^2), launches O(slabs x shapes + partial tiles / pack_elements).
+
+    On CUDA (`classify_gpu.supported`) the same slabs are classified and their partial tiles packed by a Triton
+    launch per slab and shape, with no host wait per slab (classify_gpu's docstring); the masks are bit-identical."""
     plans = {}
     for group in _shape_groups(S, shapes, slab_elements(device)):
         for plan in _classify_group(slab, B, S, group, device):
