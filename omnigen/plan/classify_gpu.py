@@ -128,18 +128,10 @@ def classify(slab: Slab, B: int, S: int, shapes: list[tuple[int, int]], slabs: l
     kinds = [torch.empty(B, nq, nk, dtype=torch.int8, device=device) for nq, nk in grids]
     slot_of = [torch.empty(B * nq * nk, dtype=torch.int32, device=device) for nq, nk in grids]
     buffers = [_SlotBuffers(m, n, B * nq * nk, device) for (m, n), (nq, nk) in zip(shapes, grids)]
-    for b0, b1, r0, r1 in slabs:
-        data = slab(b0, b1, r0, r1)
-        data = (data if data.dtype == torch.bool else data != 0).view(torch.uint8)  # the kernel reads bytes
-        for s, ((m, n), (nq, nk)) in enumerate(zip(shapes, grids)):
-            i0, i1 = r0 // m, -(-r1 // m)
-            tiles = (b1 - b0) * (i1 - i0) * nk
-            if not buffers[s].fits(tiles):
-                _read_counts(counters, buffers)  # the host's wait: only when the buffers could overflow
-                buffers[s].grow_for(tiles)
-            buffers[s].launched += tiles
-            _launch_classify(data, kinds[s], slot_of[s], buffers[s], counters, row_counts[2 * s],
-                             row_counts[2 * s + 1], b0, r0, i0, i1 - i0, S, nq, nk, s, len(shapes), m, n, tiles)
+    with _on(device):  # (Triton launches on the current device)
+        for b0, b1, r0, r1 in slabs:
+            _classify_slab(slab(b0, b1, r0, r1), b0, b1, r0, r1, S, shapes, grids, kinds, slot_of, buffers, counters,
+                           row_counts)
     counts = counters.tolist()  # the one wait every mask takes: pairs, partial and visited tiles
     out = []
     for s in range(len(shapes)):
@@ -147,6 +139,22 @@ def classify(slab: Slab, B: int, S: int, shapes: list[tuple[int, int]], slabs: l
                            row_counts[2 * s + 1], counts[1 + len(shapes) + s])
         out.append(Classified(kinds[s], counts[0], counts[1 + s], fused))
     return out
+
+
+def _classify_slab(data: torch.Tensor, b0: int, b1: int, r0: int, r1: int, S: int, shapes: list[tuple[int, int]],
+                   grids: list[tuple[int, int]], kinds: list[torch.Tensor], slot_of: list[torch.Tensor],
+                   buffers: list[_SlotBuffers], counters: torch.Tensor, row_counts: list[torch.Tensor]) -> None:
+    """One launch per shape over the slab's tiles, after growing a shape's slot buffers where they could overflow."""
+    data = (data if data.dtype == torch.bool else data != 0).view(torch.uint8)  # the kernel reads bytes
+    for s, ((m, n), (nq, nk)) in enumerate(zip(shapes, grids)):
+        i0, i1 = r0 // m, -(-r1 // m)
+        tiles = (b1 - b0) * (i1 - i0) * nk
+        if not buffers[s].fits(tiles):
+            _read_counts(counters, buffers)  # the host's wait: only when the buffers could overflow
+            buffers[s].grow_for(tiles)
+        buffers[s].launched += tiles
+        _launch_classify(data, kinds[s], slot_of[s], buffers[s], counters, row_counts[2 * s], row_counts[2 * s + 1],
+                         b0, r0, i0, i1 - i0, S, nq, nk, s, len(shapes), m, n, tiles)
 
 
 def _read_counts(counters: torch.Tensor, buffers: list[_SlotBuffers]) -> None:
@@ -175,8 +183,7 @@ def _launch_classify(data: torch.Tensor, kinds: torch.Tensor, slot_of: torch.Ten
     constants = (block_m, block_n, triton.next_power_of_2(block_m), triton.next_power_of_2(block_n),
                  mask_words(block_n), mask_words(block_m), shape == 0)
     direct = DIRECT_LAUNCH and _fits_int32(*ints) and launch_hooks_idle()
-    with _on(data.device):
-        _CLASSIFY((tiles, 1, 1), args, constants, 8, direct)
+    _CLASSIFY((tiles, 1, 1), args, constants, 8, direct)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
