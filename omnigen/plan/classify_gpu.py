@@ -204,7 +204,9 @@ def schedule(kinds: torch.Tensor, fused: FusedTiles, block_m: int, block_n: int,
     counts = fused.backward_counts if transposed else fused.forward_counts
     ptr = torch.empty(3 * rows + 1, dtype=torch.int32, device=device)
     starts = torch.empty(rows + 1, dtype=torch.int32, device=device)
-    index = (torch.zeros if index_size > fused.visited else torch.empty)(index_size, dtype=torch.int32, device=device)
+    # (at least one entry allocated: a kernel's pointer must be a live address even where nothing is written)
+    index = (torch.zeros if index_size > fused.visited else torch.empty)(max(1, index_size), dtype=torch.int32,
+                                                                          device=device)[:index_size]
     sources = torch.empty(max(1, partial), dtype=torch.int32, device=device)
     ints = (rows, row_tiles, entries, nq, nk)
     direct = DIRECT_LAUNCH and _fits_int32(B * nq * nk) and launch_hooks_idle()
