@@ -287,3 +287,22 @@ def test_a_deeper_backward_ring_per_head_dim(head_dim, stages):
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert f"constexpr int kStages = {stages};" in backward
     assert f"static_assert(sizeof(SharedStorage) == {r.hopper_shared_storage_bytes}," in backward
+
+
+def test_dq_in_turns_renders_a_whole_width_dq_product_at_d64_only():
+    """The dq_in_turns option (on by default): at d64 each step's dQ, every head dim, by one consumer warpgroup
+    (m64n64 instead of m64n32 in each), the writer warp's barriers counting one warpgroup; off, or without the writer
+    warp, both warpgroups every step; no effect at d128 / d256 (registers)."""
+    config = hopper(64)
+    assert resources.Resources(config).hopper_dq_in_turns and not kernels.backward_problems(config)
+    assert "taking turns" in kernels.FAMILIES["sm90"].describe_backward(config)
+    backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
+    assert "constexpr bool kDqInTurns = true;" in backward
+    assert "void wgmma_query_gradient(float (&d)[32]" in backward and "m64n64k16" in backward
+    for off in (hopper(64, dq_in_turns=False), hopper(64, dq_writer=False)):
+        assert not resources.Resources(off).hopper_dq_in_turns
+        source = codegen.render(RULES, off)[codegen.source_names(RULES, off)["backward"]]
+        assert "constexpr bool kDqInTurns = false;" in source and "void wgmma_query_gradient(float (&d)[16]" in source
+    for head_dim in (128, 256):
+        assert not resources.Resources(hopper(head_dim)).hopper_dq_in_turns
+        assert not kernels.backward_problems(hopper(head_dim))

@@ -45,6 +45,8 @@ class Sm90Family(KernelFamily):
         dq = "vector atomics" if r.hopper_split_columns else "TMA reduce-add"
         if r.hopper_dq_writer:
             dq += " from a writer warp"
+        if r.hopper_dq_in_turns:
+            dq += ", the warpgroups taking turns by step"
         shape = "64 keys, head dims split between the warpgroups" if r.hopper_split_columns else "128 keys"
         if r.hopper_split_scores:
             shape += ", scores split by query columns"
@@ -93,6 +95,7 @@ class Sm90Family(KernelFamily):
             "ordered_descending_steps": o.ordered_descending_steps,
             "early_scores": o.early_scores,
             "dq_writer": r.hopper_dq_writer,
+            "dq_in_turns": r.hopper_dq_in_turns,
             "grouped_heads": False,  # the binding's GQA_IN_KERNEL: dK/dV partials per query head, summed by the caller
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": r.hopper_stages,

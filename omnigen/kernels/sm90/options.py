@@ -55,6 +55,11 @@ class HopperOptions(KernelOptions):
     # Atomic-order dQ reductions issued by a writer warp of the producer warpgroup instead of each consumer warp
     # ("The backward's dQ reductions from a writer warp").
     dq_writer: bool = True
+    # At d64, each step's dQ (every head dim) computed and staged by one consumer warpgroup, the two taking turns,
+    # instead of both computing half the head dims: a warpgroup's dQ product is then m64n64, not m64n32, and K is
+    # read once per step instead of twice. No effect at other head dims (at d128 the whole-width accumulator left
+    # ptxas too few registers: C7512) or without the writer warp ("dQ in turns at d64").
+    dq_in_turns: bool = True
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
     backward_stages: int = 0

@@ -36,6 +36,10 @@ HOPPER_STEP_ROWS = 64  # query rows per backward step (one 128-byte swizzle peri
 # against the same load latency, and 4 stages fit in its shared memory (150 KB); d128 has room for 2.
 HOPPER_STAGES = 2
 BACKWARD_STAGES_BY_HEAD_DIM = {64: 4}
+# Head dims whose backward computes dQ in turns (the dq_in_turns option): at d128 a warpgroup's whole-width dQ
+# accumulator (64 registers) beside dK, dV and the next step's S^T left ptxas too few registers, and it serialised
+# every wgmma (C7512, 2.5 KB of spills).
+DQ_IN_TURNS_HEAD_DIMS = (64,)
 HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 
@@ -151,6 +155,13 @@ class Resources:
         """Whether the atomic-order Hopper backward hands its dQ reductions to a writer warp (not with split
         columns: their dQ goes by per-thread atomics)."""
         return self.options.dq_writer and self.hopper_tma_dq
+
+    @property
+    def hopper_dq_in_turns(self) -> bool:
+        """Whether each step's dQ is computed by one consumer warpgroup, the two taking turns (the dq_in_turns
+        option): at d64 only (DQ_IN_TURNS_HEAD_DIMS), and with the writer warp, which adds what the step's warpgroup
+        staged."""
+        return self.options.dq_in_turns and self.hopper_dq_writer and self.config.head_dim in DQ_IN_TURNS_HEAD_DIMS
 
     @property
     def hopper_shared_storage_bytes(self) -> int:
