@@ -45,6 +45,10 @@ SLOT_BUFFER_BYTES = 1 << 26
 
 # Entries a schedule program (and the scan) handles per step of its loop.
 ROW_BLOCK = 1024
+# Tile rows a classifying program reads (and packs) at a time, in a loop: registers a thread at 128 x 128 tiles and 4
+# warps (cuobjdump of the sm_90 cubin): a whole tile at once 203 (8 warps), 32 rows 205, 16 rows 128, 8 rows 72 -- a
+# byte loaded costs a 64-bit address, so a chunk, not the tile, sets how many blocks share an SM.
+ROW_CHUNK = 16
 
 # The kernels write a non-empty tile's schedule group as kind - 1.
 assert SCHEDULE_KINDS == (FULL, CAUSAL, PARTIAL) == (1, 2, 3) and EMPTY == 0
@@ -180,10 +184,11 @@ def _launch_classify(data: torch.Tensor, kinds: torch.Tensor, slot_of: torch.Ten
         return
     ints = (*data.stride(), b0, r0, i0, tile_rows, S, nq, nk, 1 + shape, 1 + n_shapes + shape)
     args = (data, kinds, slot_of, buffers.forward, buffers.backward, counters, forward_counts, backward_counts, *ints)
-    constants = (block_m, block_n, triton.next_power_of_2(block_m), triton.next_power_of_2(block_n),
-                 mask_words(block_n), mask_words(block_m), shape == 0)
+    m_p2, n_p2 = triton.next_power_of_2(block_m), triton.next_power_of_2(block_n)
+    constants = (block_m, block_n, m_p2, n_p2, mask_words(block_n), mask_words(block_m), shape == 0,
+                 min(ROW_CHUNK, m_p2, n_p2))
     direct = DIRECT_LAUNCH and _fits_int32(*ints) and launch_hooks_idle()
-    _CLASSIFY((tiles, 1, 1), args, constants, 8, direct)
+    _CLASSIFY((tiles, 1, 1), args, constants, 4, direct)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -229,52 +234,64 @@ if triton is not None:
     _EMPTY, _FULL, _CAUSAL, _PARTIAL = (tl.constexpr(k) for k in (EMPTY, FULL, CAUSAL, PARTIAL))
 
     @triton.jit
-    def _pack_words(base, row_pos, row_ok, column_tile, r0, S, stride_r, stride_c, words, rows_here,
-                    ROWS: tl.constexpr, COLUMNS: tl.constexpr, WORDS: tl.constexpr, TRANSPOSED: tl.constexpr):
-        """The slot words of one tile at `words`: its rows `row_pos` (queries, or keys `TRANSPOSED`) and the columns
-        thread t keeps as value v (bits.py's layout: c = 8 (v // 2) + 2 t + v % 2), read back from the slab."""
+    def _pack_words(base, row_tile, column_tile, r0, S, stride_r, stride_c, words, ROWS: tl.constexpr,
+                    ROWS_P2: tl.constexpr, COLUMNS: tl.constexpr, WORDS: tl.constexpr, TRANSPOSED: tl.constexpr,
+                    CHUNK: tl.constexpr):
+        """The slot words of one tile at `words`: its rows (queries, or keys `TRANSPOSED`) in chunks of CHUNK, and
+        the columns thread t keeps as value v (bits.py's layout: c = 8 (v // 2) + 2 t + v % 2), read from the slab."""
         t = tl.arange(0, 4)
         bit = tl.arange(0, 32)
         for w in tl.static_range(WORDS):
             v = 32 * w + bit
             column = column_tile * COLUMNS + 8 * (v // 2)[None, :] + 2 * t[:, None] + (v % 2)[None, :]  # [4, 32]
             column_ok = (v < COLUMNS // 4)[None, :] & (column < S)
-            ok = row_ok[:, None, None] & column_ok[None, :, :]
-            if TRANSPOSED:  # rows are keys, columns queries
-                offset = (column - r0).to(tl.int64)[None, :, :] * stride_r + row_pos.to(tl.int64)[:, None, None] * stride_c
-            else:
-                offset = (row_pos - r0).to(tl.int64)[:, None, None] * stride_r + column.to(tl.int64)[None, :, :] * stride_c
-            values = tl.load(base + offset, mask=ok, other=0) != 0
-            word = tl.sum(values.to(tl.int32) << bit[None, None, :], axis=2)  # [rows, 4]: distinct bits, sum = or
-            out = words + w * (ROWS * 4) + rows_here[:, None] * 4 + t[None, :]
-            tl.store(out, word, mask=(rows_here < ROWS)[:, None])
+            for chunk in range(ROWS_P2 // CHUNK):  # (a loop, not unrolled: one chunk live at a time)
+                rows_here = chunk * CHUNK + tl.arange(0, CHUNK)
+                row_pos = row_tile * ROWS + rows_here
+                ok = ((rows_here < ROWS) & (row_pos < S))[:, None, None] & column_ok[None, :, :]
+                if TRANSPOSED:  # rows are keys, columns queries
+                    offset = ((column - r0).to(tl.int64)[None, :, :] * stride_r
+                              + row_pos.to(tl.int64)[:, None, None] * stride_c)
+                else:
+                    offset = ((row_pos - r0).to(tl.int64)[:, None, None] * stride_r
+                              + column.to(tl.int64)[None, :, :] * stride_c)
+                values = tl.load(base + offset, mask=ok, other=0) != 0
+                word = tl.sum(values.to(tl.int32) << bit[None, None, :], axis=2)  # [CHUNK, 4]: distinct bits: or
+                out = words + w * (ROWS * 4) + rows_here[:, None] * 4 + t[None, :]
+                tl.store(out, word, mask=(rows_here < ROWS)[:, None])
 
     def _classify_kernel(data, kinds, slot_of, forward_words, backward_words, counters, forward_counts,
                          backward_counts, stride_b, stride_r, stride_c, b0, r0, i0, tile_rows, S, nq, nk,
                          partial_counter, visited_counter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_P2: tl.constexpr, N_P2: tl.constexpr,
-                         FORWARD_WORDS: tl.constexpr, BACKWARD_WORDS: tl.constexpr, COUNT_PAIRS: tl.constexpr):
-        """One program per tile (b, i, j) of the slab's tile rows: its kind, counts and, if partial, its words."""
+                         FORWARD_WORDS: tl.constexpr, BACKWARD_WORDS: tl.constexpr, COUNT_PAIRS: tl.constexpr,
+                         CHUNK: tl.constexpr):
+        """One program per tile (b, i, j) of the slab's tile rows: its kind, counts and, if partial, its words; rows
+        CHUNK at a time (ROW_CHUNK)."""
         pid = tl.program_id(0)
         j = pid % nk
         i = i0 + (pid // nk) % tile_rows
         b_local = pid // (nk * tile_rows)
         b = b0 + b_local
-        rows_here = tl.arange(0, M_P2)
         columns_here = tl.arange(0, N_P2)
-        q = i * BLOCK_M + rows_here
         k = j * BLOCK_N + columns_here
-        q_ok = (rows_here < BLOCK_M) & (q < S)
         k_ok = (columns_here < BLOCK_N) & (k < S)
-        inside = q_ok[:, None] & k_ok[None, :]
         base = data + b_local.to(tl.int64) * stride_b
-        offset = (q - r0).to(tl.int64)[:, None] * stride_r + k.to(tl.int64)[None, :] * stride_c
-        allowed_here = (tl.load(base + offset, mask=inside, other=0) != 0) & inside
-        upper = k[None, :] > q[:, None]
-        allowed = tl.sum(allowed_here.to(tl.int32))
-        above = tl.sum((allowed_here & upper).to(tl.int32))
-        lower = tl.sum((inside & ~upper).to(tl.int32))
-        area = tl.sum(inside.to(tl.int32))
+        allowed = 0
+        above = 0
+        lower = 0
+        area = 0
+        for chunk in range(M_P2 // CHUNK):  # (a loop, not unrolled: one chunk live at a time)
+            rows_here = chunk * CHUNK + tl.arange(0, CHUNK)
+            q = i * BLOCK_M + rows_here
+            inside = ((rows_here < BLOCK_M) & (q < S))[:, None] & k_ok[None, :]
+            offset = (q - r0).to(tl.int64)[:, None] * stride_r + k.to(tl.int64)[None, :] * stride_c
+            allowed_here = (tl.load(base + offset, mask=inside, other=0) != 0) & inside
+            upper = k[None, :] > q[:, None]
+            allowed += tl.sum(allowed_here.to(tl.int32))
+            above += tl.sum((allowed_here & upper).to(tl.int32))
+            lower += tl.sum((inside & ~upper).to(tl.int32))
+            area += tl.sum(inside.to(tl.int32))
         below_missing = lower - (allowed - above)
         kind = tl.where((above == 0) & (below_missing == 0), _CAUSAL, _PARTIAL)
         kind = tl.where(allowed == area, _FULL, kind)
@@ -290,12 +307,10 @@ if triton is not None:
         if kind == _PARTIAL:
             slot = tl.atomic_add(counters + partial_counter, tl.full((), 1, tl.int64))
             tl.store(slot_of + flat, slot.to(tl.int32))
-            _pack_words(base, q, q_ok, j, r0, S, stride_r, stride_c,
-                        forward_words + slot * (FORWARD_WORDS * BLOCK_M * 4), rows_here,
-                        BLOCK_M, BLOCK_N, FORWARD_WORDS, False)
-            _pack_words(base, k, k_ok, i, r0, S, stride_r, stride_c,
-                        backward_words + slot * (BACKWARD_WORDS * BLOCK_N * 4), columns_here,
-                        BLOCK_N, BLOCK_M, BACKWARD_WORDS, True)
+            _pack_words(base, i, j, r0, S, stride_r, stride_c, forward_words + slot * (FORWARD_WORDS * BLOCK_M * 4),
+                        BLOCK_M, M_P2, BLOCK_N, FORWARD_WORDS, False, CHUNK)
+            _pack_words(base, j, i, r0, S, stride_r, stride_c, backward_words + slot * (BACKWARD_WORDS * BLOCK_N * 4),
+                        BLOCK_N, N_P2, BLOCK_M, BACKWARD_WORDS, True, CHUNK)
 
     def _scan_kernel(counts, ptr, starts, rows, BLOCK: tl.constexpr):
         """One program: ptr (the CSR starts of rows x 3 groups, from each row's group counts) and the slot starts
@@ -361,6 +376,7 @@ if triton is not None:
     _POINTERS = ("data", "kinds", "slot_of", "forward_words", "backward_words", "counters", "forward_counts",
                  "backward_counts", "counts", "ptr", "starts", "index", "sources")
     _CLASSIFY = Launcher(unspecialised_jit(_classify_kernel, _INTS, _POINTERS),
-                         ("BLOCK_M", "BLOCK_N", "M_P2", "N_P2", "FORWARD_WORDS", "BACKWARD_WORDS", "COUNT_PAIRS"))
+                         ("BLOCK_M", "BLOCK_N", "M_P2", "N_P2", "FORWARD_WORDS", "BACKWARD_WORDS", "COUNT_PAIRS",
+                          "CHUNK"))
     _SCAN = Launcher(unspecialised_jit(_scan_kernel, _INTS, _POINTERS), ("BLOCK",))
     _SCHEDULE = Launcher(unspecialised_jit(_schedule_kernel, _INTS, _POINTERS), ("BLOCK", "TRANSPOSED"))
