@@ -39,9 +39,11 @@ from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unsp
 # scripts/profile_mask_making.py --compare-fused times both (and create_block_mask) and decides.
 ENABLED = False
 
-# Bytes of slot buffers (both schedules' words) a shape starts with, at most (never more than every tile's): enough
-# for every partial tile of the catalogue's masks at 8K x 4, so the host does not wait to grow them.
-SLOT_BUFFER_BYTES = 1 << 26
+# Bytes of slot buffers (both schedules' words) a shape starts with, at most (never more than every tile's): at 8K x 4
+# room for every tile of 128 x 64 (96 MiB) and 128 x 128 tiles (64 MiB), so the host never waits to grow them there;
+# longer masks wait about once per buffer's worth of slabs (the tiles launched since the last wait, each counted as
+# partial). Allocations only: nothing but partial tiles' words is written.
+SLOT_BUFFER_BYTES = 1 << 27
 
 # Entries a schedule program (and the scan) handles per step of its loop.
 ROW_BLOCK = 1024
