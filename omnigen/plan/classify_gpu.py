@@ -34,10 +34,11 @@ from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS
 from .bits import mask_words, slot_words
 from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unspecialised_jit
 
-# Off until timed on a GPU: written without one, checked bit-identical to the torch path in Triton's interpreter and
-# compiled for sm_90 only. tests/test_classify_gpu.py's GPU tests compare both paths whatever this says;
-# scripts/profile_mask_making.py --compare-fused times both (and create_block_mask) and decides.
-ENABLED = False
+# On: timed on an H100 (RESULTS.md, sixteenth session), 8K x 4, torch path -> this one against create_block_mask:
+# a sliding window 8.13 -> 5.63 ms (flex 3.55), random eviction 11.96 -> 5.09 (6.35), a MEDUSA tree 19.67 -> 14.60
+# (5.32, its mod's own evaluation 11 ms of GPU time); bit-identical masks. tests/test_classify_gpu.py's GPU tests
+# compare both paths whatever this says; scripts/profile_mask_making.py --compare-fused times both.
+ENABLED = True
 
 # Bytes of slot buffers (both schedules' words) a shape starts with, at most (never more than every tile's): at 8K x 4
 # room for every tile of 128 x 64 (96 MiB) and 128 x 128 tiles (64 MiB), so the host never waits to grow them there;
