@@ -80,9 +80,10 @@ def compare_paths(device: str, B: int, S: int, names: tuple[str, ...]) -> int:
 def test_the_triton_path_matches_torch_in_the_interpreter():
     pytest.importorskip("triton")
     names = ("global_sliding_window", "random_eviction", "medusa_tree")
-    # (rows 64 at a time, not ROW_CHUNK's 16: the interpreter's time goes by steps; 128-row tiles still take two)
+    # (rows 64 at a time, not ROW_CHUNK's 16: the interpreter's time goes by steps; 128-row tiles still take two.
+    # S = 208, a multiple of 16: the mods' slabs take the aligned rows' path, the dense masks (S / 2) the other.)
     child = (f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_classify_gpu as t; "
-             f"t.classify_gpu.ROW_CHUNK = 64; print('cases', t.compare_paths('cpu', 2, 200, {names!r}))")
+             f"t.classify_gpu.ROW_CHUNK = 64; print('cases', t.compare_paths('cpu', 2, 208, {names!r}))")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS.parent),
                                                                                os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)

@@ -120,10 +120,11 @@ class _SlotBuffers:
 
 
 def classify(slab: Slab, B: int, S: int, shapes: list[tuple[int, int]], slabs: list[tuple[int, int, int, int]],
-             device: torch.device) -> list[Classified]:
+             device: torch.device, while_waiting: Callable[[], None] | None = None) -> list[Classified]:
     """Every shape's `Classified` (in `shapes` order) from `slab(b0, b1, r0, r1)` -> bool [b1 - b0, r1 - r0, S]
     (any strides), read once per entry of `slabs` for every shape; `slabs` cover every (batch element, row) once, each
-    in whole tile rows of every shape (its r0 a multiple of every block_m, its r1 one as well, or S)."""
+    in whole tile rows of every shape (its r0 a multiple of every block_m, its r1 one as well, or S). `while_waiting`:
+    called once every slab is launched, before the host waits for the counts."""
     grids = [(-(-S // m), -(-S // n)) for m, n in shapes]
     # One zero fill for every counter: int64 [pairs, partial tiles per shape, visited tiles per shape], then each
     # shape's int32 row counts of both schedules (the kernels' atomics add to them; the scan reads them).
@@ -139,6 +140,8 @@ def classify(slab: Slab, B: int, S: int, shapes: list[tuple[int, int]], slabs: l
         for b0, b1, r0, r1 in slabs:
             _classify_slab(slab(b0, b1, r0, r1), b0, b1, r0, r1, S, shapes, grids, kinds, slot_of, buffers, counters,
                            row_counts)
+    if while_waiting is not None:
+        while_waiting()
     counts = counters.tolist()  # the one wait every mask takes: pairs, partial and visited tiles
     out = []
     for s in range(len(shapes)):
@@ -188,8 +191,12 @@ def _launch_classify(data: torch.Tensor, kinds: torch.Tensor, slot_of: torch.Ten
     ints = (*data.stride(), b0, r0, i0, tile_rows, S, nq, nk, 1 + shape, 1 + n_shapes + shape)
     args = (data, kinds, slot_of, buffers.forward, buffers.backward, counters, forward_counts, backward_counts, *ints)
     m_p2, n_p2 = triton.next_power_of_2(block_m), triton.next_power_of_2(block_n)
+    # Rows of 16-byte-aligned contiguous bytes (a mod's fresh result at S % 16 == 0): 16-byte loads (H100, 8K x 4:
+    # 238 us a slab with byte loads).
+    rows_aligned = (data.stride(2) == 1 and data.stride(1) % 16 == 0 and data.stride(0) % 16 == 0
+                    and data.data_ptr() % 16 == 0 and S % 16 == 0 and block_n % 16 == 0)
     constants = (block_m, block_n, m_p2, n_p2, mask_words(block_n), mask_words(block_m), shape == 0,
-                 min(ROW_CHUNK, m_p2, n_p2))
+                 min(ROW_CHUNK, m_p2, n_p2), rows_aligned)
     direct = DIRECT_LAUNCH and _fits_int32(*ints) and launch_hooks_idle()
     _CLASSIFY((tiles, 1, 1), args, constants, 4, direct)
 
@@ -268,7 +275,7 @@ if triton is not None:
                          partial_counter, visited_counter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_P2: tl.constexpr, N_P2: tl.constexpr,
                          FORWARD_WORDS: tl.constexpr, BACKWARD_WORDS: tl.constexpr, COUNT_PAIRS: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr, ROWS_ALIGNED: tl.constexpr):
         """One program per tile (b, i, j) of the slab's tile rows: its kind, counts and, if partial, its words; rows
         CHUNK at a time (ROW_CHUNK)."""
         pid = tl.program_id(0)
@@ -278,7 +285,11 @@ if triton is not None:
         b = b0 + b_local
         columns_here = tl.arange(0, N_P2)
         k = j * BLOCK_N + columns_here
-        k_ok = (columns_here < BLOCK_N) & (k < S)
+        if ROWS_ALIGNED:  # the same test by groups of 16 columns (S and BLOCK_N multiples of 16), so that a load's
+            # mask is constant over each 16 bytes and the loads can be vectors
+            k_ok = ((columns_here // 16) < (BLOCK_N // 16)) & ((k // 16) < (S // 16))
+        else:
+            k_ok = (columns_here < BLOCK_N) & (k < S)
         base = data + b_local.to(tl.int64) * stride_b
         allowed = 0
         above = 0
@@ -288,8 +299,12 @@ if triton is not None:
             rows_here = chunk * CHUNK + tl.arange(0, CHUNK)
             q = i * BLOCK_M + rows_here
             inside = ((rows_here < BLOCK_M) & (q < S))[:, None] & k_ok[None, :]
-            offset = (q - r0).to(tl.int64)[:, None] * stride_r + k.to(tl.int64)[None, :] * stride_c
-            allowed_here = (tl.load(base + offset, mask=inside, other=0) != 0) & inside
+            if ROWS_ALIGNED:  # 16-byte rows of contiguous bytes: vector loads
+                row_offset = tl.multiple_of((q - r0).to(tl.int64) * stride_r, 16)
+                pointers = tl.multiple_of(base, 16) + row_offset[:, None] + k[None, :]
+            else:
+                pointers = base + (q - r0).to(tl.int64)[:, None] * stride_r + k.to(tl.int64)[None, :] * stride_c
+            allowed_here = (tl.load(pointers, mask=inside, other=0) != 0) & inside
             upper = k[None, :] > q[:, None]
             allowed += tl.sum(allowed_here.to(tl.int32))
             above += tl.sum((allowed_here & upper).to(tl.int32))
@@ -380,6 +395,6 @@ if triton is not None:
                  "backward_counts", "counts", "ptr", "starts", "index", "sources")
     _CLASSIFY = Launcher(unspecialised_jit(_classify_kernel, _INTS, _POINTERS),
                          ("BLOCK_M", "BLOCK_N", "M_P2", "N_P2", "FORWARD_WORDS", "BACKWARD_WORDS", "COUNT_PAIRS",
-                          "CHUNK"))
+                          "CHUNK", "ROWS_ALIGNED"))
     _SCAN = Launcher(unspecialised_jit(_scan_kernel, _INTS, _POINTERS), ("BLOCK",))
     _SCHEDULE = Launcher(unspecialised_jit(_schedule_kernel, _INTS, _POINTERS), ("BLOCK", "TRANSPOSED"))

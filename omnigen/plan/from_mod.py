@@ -22,7 +22,7 @@ import torch
 from ..errors import InputError, type_name
 from .masks import Mask
 from .planners import _check_device
-from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, tile_shapes
+from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, ruleless_tables, tile_shapes
 
 # Pairs one call of the mod evaluates at most (its temporaries are a few int64 tensors of this many elements). On a
 # GPU a whole slab in one call, since making a mask there was bound by the host's launches (a quarter of a slab a call
@@ -92,14 +92,20 @@ def _positive(name: str, value: object) -> str | None:
     return None
 
 
-def _check_heads(mod: _Mod, batches: torch.Tensor, S: int, device: torch.device) -> None:
-    """A sample of positions evaluated with h = 0 and h = 1: they must agree (masks are head-independent). `batches`:
-    arange(B) on `device`. One host wait on a GPU (the sample's positions are chosen on the host)."""
-    positions = torch.linspace(0, S - 1, min(S, HEAD_SAMPLE)).round().long().unique().to(device)
+def _head_sample(mod: _Mod, batches: torch.Tensor, S: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions, mask with h = 0, mask with h = 1) at a sample of positions (`batches`: arange(B) on `device`):
+    launches only, nothing read back, so on a GPU it can run under the slabs' work (`_check_heads` reads it)."""
+    count = min(S, HEAD_SAMPLE)
+    # Evenly spread, distinct positions made on the device: a copy from pageable host memory would wait for the stream.
+    positions = torch.arange(count, device=device) * (S - 1) // max(1, count - 1)
     b = batches[:4, None, None]
     q, kv = positions[None, :, None], positions[None, None, :]
-    first = mod(b, q, kv)
-    other = mod(b, q, kv, torch.ones((), dtype=torch.int64, device=device))
+    return positions, mod(b, q, kv), mod(b, q, kv, torch.ones((), dtype=torch.int64, device=device))
+
+
+def _check_heads(positions: torch.Tensor, first: torch.Tensor, other: torch.Tensor) -> None:
+    """`_head_sample`'s two masks must agree (masks are head-independent)."""
     if bool((first != other).any()):
         bi, qi, ki = (first != other).nonzero()[0].tolist()
         raise InputError([f"mask_mod depends on the head h: at b={bi}, q_idx={int(positions[qi])}, "
@@ -141,7 +147,6 @@ def mask_from_mod(
     device = _check_device(device)
     mod = _Mod(mask_mod, device)
     batches = torch.arange(B, device=device)
-    _check_heads(mod, batches, S, device)
     # Every slab's indices are views of these (no launches per slab).
     positions = torch.arange(S, device=device)
     keys = positions[None, None, :]
@@ -162,5 +167,14 @@ def mask_from_mod(
         return out
 
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
-    plans = classify_shapes(slab, B, S, shapes, device)  # the mod evaluated once for every tile shape
-    return ruleless_mask(plans, B, S, True, device, partial_bits, made_by="mask_from_mod")
+    # What need not wait for the classification runs while the host would wait for it: the head check's launches and
+    # the stand-in tables (on an H100 they had kept the GPU idle ~1 ms of a ~6 ms mask, before and after the slabs).
+    meanwhile: dict[str, tuple] = {}
+
+    def while_classifying() -> None:
+        meanwhile["heads"] = _head_sample(mod, batches, S, device)
+        meanwhile["stand_in"] = ruleless_tables(B, S, True, device)
+
+    plans = classify_shapes(slab, B, S, shapes, device, while_classifying)  # the mod evaluated once per tile shape
+    _check_heads(*meanwhile["heads"])
+    return ruleless_mask(plans, B, S, True, device, partial_bits, made_by="mask_from_mod", stand_in=meanwhile["stand_in"])

@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..layout import Layout, LayoutBatch
+from ..layout import Layout, LayoutBatch, LayoutTables
 from ..rules import Rules
 from ..semantics import CAUSAL, EMPTY, FULL, PARTIAL, SCHEDULE_KINDS
 from . import bits, classify_gpu
@@ -212,7 +212,8 @@ def positions_of(flags: torch.Tensor, count: int) -> torch.Tensor:
         return flags.nonzero().squeeze(1)
 
 
-def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> list[ShapePlan]:
+def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device,
+                    while_waiting: Callable[[], None] | None = None) -> list[ShapePlan]:
     """ShapePlans (in `shapes` order) from `slab(b0, b1, r0, r1)` -> bool [b1 - b0, r1 - r0, S], the mask's rows
     [r0, r1) of batch elements b0..b1 (every column), each part of the mask read once for every tile shape.
 
@@ -225,11 +226,16 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     Work O(B S^2), launches O(slabs x shapes + partial tiles / pack_elements).
 
     On CUDA (`classify_gpu.supported`) the same slabs are classified and their partial tiles packed by a Triton
-    launch per slab and shape, with no host wait per slab (classify_gpu's docstring); the masks are bit-identical."""
+    launch per slab and shape, with no host wait per slab (classify_gpu's docstring); the masks are bit-identical.
+
+    `while_waiting`, if given, is called once: on the Triton path after the first group's slabs are launched and before
+    the host waits for them (so host work and launches that do not depend on the classification overlap it), on the
+    torch path before the first slab."""
     plans = {}
     for group in _shape_groups(S, shapes, slab_elements(device)):
-        for plan in _classify_group(slab, B, S, group, device):
+        for plan in _classify_group(slab, B, S, group, device, while_waiting):
             plans[(plan.block_m, plan.block_n)] = plan
+        while_waiting = None
     return [plans[shape] for shape in shapes]
 
 
@@ -244,13 +250,17 @@ def _slab_geometry(B: int, S: int, shapes: list[tuple[int, int]], device: torch.
     return width, all_rows, rows, max(1, budget // (rows * width))
 
 
-def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> list[ShapePlan]:
+def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device,
+                    while_waiting: Callable[[], None] | None = None) -> list[ShapePlan]:
     if classify_gpu.supported(device):  # a few Triton launches per slab instead of ~50 operations per shape
         width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, device)
         slabs = [(b0, min(B, b0 + per_batch), r0, min(S, r0 + rows))
                  for r0 in range(0, S, rows) for b0 in range(0, B, per_batch)]
-        return [ShapePlan(m, n, made.kinds, made.pairs, [], partial_count=made.partial_count, fused=made.fused)
-                for (m, n), made in zip(shapes, classify_gpu.classify(slab, B, S, shapes, slabs, device))]
+        made = classify_gpu.classify(slab, B, S, shapes, slabs, device, while_waiting)
+        return [ShapePlan(m, n, shape.kinds, shape.pairs, [], partial_count=shape.partial_count, fused=shape.fused)
+                for (m, n), shape in zip(shapes, made)]
+    if while_waiting is not None:
+        while_waiting()
     gm = math.gcd(CELL_ROWS, *(m for m, _ in shapes))
     gn = math.gcd(*(n for _, n in shapes))
     width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, device)  # width: columns padded to whole tiles
@@ -414,12 +424,19 @@ def ruleless_layout(B: int, S: int, batched: bool) -> Layout | LayoutBatch:
     return LayoutBatch([single] * B) if batched else single
 
 
-def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device: torch.device,
-                  partial_bits: int | str = "exact", made_by: str | None = None) -> Mask:
-    """The Mask of a mask without rules from its tile shapes' ShapePlans (see the module docstring); `made_by`
-    names the public maker (`Mask.made_by`), so an error about the mask can say how to make it again."""
+def ruleless_tables(B: int, S: int, batched: bool, device: torch.device) -> tuple[Layout | LayoutBatch, LayoutTables]:
+    """The stand-in layout and its per-token tables on `device` (what `ruleless_mask` makes when not handed them)."""
     layout = ruleless_layout(B, S, batched)
-    tables = layout.tables(RULELESS_RULES, device)
+    return layout, layout.tables(RULELESS_RULES, device)
+
+
+def ruleless_mask(shapes: list[ShapePlan], B: int, S: int, batched: bool, device: torch.device,
+                  partial_bits: int | str = "exact", made_by: str | None = None,
+                  stand_in: tuple[Layout | LayoutBatch, LayoutTables] | None = None) -> Mask:
+    """The Mask of a mask without rules from its tile shapes' ShapePlans (see the module docstring); `made_by`
+    names the public maker (`Mask.made_by`), so an error about the mask can say how to make it again. `stand_in`:
+    `ruleless_tables(B, S, batched, device)`, where the maker made them already (while the GPU classified)."""
+    layout, tables = stand_in if stand_in is not None else ruleless_tables(B, S, batched, device)
     entries: dict[tuple[int, int], tuple] = {}
     fixed = partial_bits != "exact"
     for shape in shapes:
