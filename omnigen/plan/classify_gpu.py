@@ -36,8 +36,9 @@ from .launch import DIRECT_LAUNCH, Launcher, launch_hooks_idle, tl, triton, unsp
 
 # On: timed on an H100 (RESULTS.md, sixteenth session), 8K x 4, torch path -> this one against create_block_mask:
 # a sliding window 8.13 -> 5.63 ms (flex 3.55), random eviction 11.96 -> 5.09 (6.35), a MEDUSA tree 19.67 -> 14.60
-# (5.32, its mod's own evaluation 11 ms of GPU time); bit-identical masks. tests/test_classify_gpu.py's GPU tests
-# compare both paths whatever this says; scripts/profile_mask_making.py --compare-fused times both.
+# (5.32, its mod's own evaluation 11 ms of GPU time); bit-identical masks. (With the aligned rows' loads and the head
+# check under the slabs: 4.80, 3.87 and 12.58 ms.) tests/test_classify_gpu.py's GPU tests compare both paths whatever
+# this says; scripts/profile_mask_making.py --compare-fused times both.
 ENABLED = True
 
 # Bytes of slot buffers (both schedules' words) a shape starts with, at most (never more than every tile's): at 8K x 4
@@ -50,7 +51,8 @@ SLOT_BUFFER_BYTES = 1 << 27
 ROW_BLOCK = 1024
 # Tile rows a classifying program reads (and packs) at a time, in a loop: registers a thread at 128 x 128 tiles and 4
 # warps (cuobjdump of the sm_90 cubin): a whole tile at once 203 (8 warps), 32 rows 205, 16 rows 128, 8 rows 72 -- a
-# byte loaded costs a 64-bit address, so a chunk, not the tile, sets how many blocks share an SM.
+# byte loaded (rows that are not 16-byte aligned, and packing) costs a 64-bit address, so a chunk, not the tile, sets
+# how many blocks share an SM.
 ROW_CHUNK = 16
 
 # The kernels write a non-empty tile's schedule group as kind - 1.
