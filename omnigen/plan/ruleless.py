@@ -418,15 +418,11 @@ def _slots(shape: ShapePlan, ptr: torch.Tensor, capacity: int, transposed: bool,
     return starts, out
 
 
-def ruleless_layout(B: int, S: int, batched: bool) -> Layout | LayoutBatch:
-    """The stand-in layout of a mask without rules: all pad (its rules' predicate allows nothing)."""
-    single = Layout.from_segments([("pad", S)])
-    return LayoutBatch([single] * B) if batched else single
-
-
 def ruleless_tables(B: int, S: int, batched: bool, device: torch.device) -> tuple[Layout | LayoutBatch, LayoutTables]:
-    """The stand-in layout and its per-token tables on `device` (what `ruleless_mask` makes when not handed them)."""
-    layout = ruleless_layout(B, S, batched)
+    """The stand-in layout of a mask without rules -- all pad: its rules' predicate allows nothing -- and its
+    per-token tables on `device` (what `ruleless_mask` makes when not handed them)."""
+    single = Layout.from_segments([("pad", S)])
+    layout = LayoutBatch([single] * B) if batched else single
     return layout, layout.tables(RULELESS_RULES, device)
 
 
