@@ -18,8 +18,10 @@ Masks no rule says (issue 29; `run_masks`, `omnigen bench --mask NAME` or `--mas
   flex           torch.compile(flex_attention) with create_block_mask(mod, B, None, S, S) made beforehand
 
 and the making itself: each row also has `make_ms` (mask_from_mod, or create_block_mask; wall clock between
-device synchronisations, median of MAKE_RUNS after one untimed call), `mask_mib` (the tensors the mask holds) and,
-for omnigen, `partial_tiles` (mask memory is O(S + partial tiles): the bits are 1 bit a pair of each). With
+device synchronisations, median of MAKE_RUNS after one call timed apart as `make_first_ms`: mask_from_mod compiles a
+new mod there), `mask_mib` (the tensors the mask holds) and, for omnigen, `partial_tiles` (mask memory is O(S +
+partial tiles): the bits are 1 bit a pair of each). flex's row also has `make_compiled_ms` / `make_compiled_first_ms`:
+create_block_mask(_compile=True), FlexAttention's compiled making (`make_vs_flex` compares with its default). With
 `tile_cost` (`--tile-cost`), `mask_tile_cost` times each mask's visited tiles all partial against all full.
 
 Effective TFLOP/s counts only allowed pairs: forward 4 * D * pairs * Hq / t (pairs summed over the
@@ -340,9 +342,15 @@ def mask_workloads(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=
             for spec in check_mask_specs(masks) for S in sizes for dim in dims]
 
 
-def time_making(make: Callable[[], Any], runs: int = MAKE_RUNS) -> tuple[float, Any]:
-    """(median milliseconds of make(), between device synchronisations, after one untimed call; the last result)."""
+def time_making(make: Callable[[], Any], runs: int = MAKE_RUNS) -> tuple[float, float, Any]:
+    """(median milliseconds of make(), between device synchronisations, after one call timed apart; that first call's
+    milliseconds (compilation included: mask_from_mod's compiled mod, create_block_mask(_compile=True)); the last
+    result)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     made = make()
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - start) * 1e3
     times = []
     for _ in range(runs):
         torch.cuda.synchronize()
@@ -350,7 +358,7 @@ def time_making(make: Callable[[], Any], runs: int = MAKE_RUNS) -> tuple[float, 
         made = make()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), made
+    return statistics.median(times), first, made
 
 
 def tensor_mib(obj: Any) -> float:
@@ -379,11 +387,12 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
     made: dict[str, dict] = {}
     omnigen_mask = None
     try:
-        make_ms, omnigen_mask = time_making(lambda: mask_from_mod(mod, B, S, "cuda", head_dim=D, dtype=q.dtype))
+        make_ms, first_ms, omnigen_mask = time_making(
+            lambda: mask_from_mod(mod, B, S, "cuda", head_dim=D, dtype=q.dtype))
         # partial tiles over every tile shape the mask holds, as its bits (in mask_mib) are
         partial = sum(omnigen_mask.plan(*shape).counts()["partial"] for shape in omnigen_mask.tiles)
-        made["omnigen"] = {"make_ms": round(make_ms, 3), "mask_mib": round(omnigen_mask.nbytes() / 2**20, 3),
-                           "partial_tiles": partial}
+        made["omnigen"] = {"make_ms": round(make_ms, 3), "make_first_ms": round(first_ms, 1),
+                           "mask_mib": round(omnigen_mask.nbytes() / 2**20, 3), "partial_tiles": partial}
     except Exception as exc:  # noqa: BLE001 - reported; flex may still run
         skip("omnigen", f"making the mask: {_first_line(exc)}")
     pairs = omnigen_mask.allowed_pairs if omnigen_mask is not None else None
@@ -396,8 +405,15 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         try:
-            make_ms, block_mask = time_making(lambda: create_block_mask(mod, B, None, S, S, device="cuda"))
-            made["flex"] = {"make_ms": round(make_ms, 3), "mask_mib": round(tensor_mib(block_mask), 3)}
+            make_ms, first_ms, block_mask = time_making(lambda: create_block_mask(mod, B, None, S, S, device="cuda"))
+            made["flex"] = {"make_ms": round(make_ms, 3), "make_first_ms": round(first_ms, 1),
+                            "mask_mib": round(tensor_mib(block_mask), 3)}
+            try:  # FlexAttention's compiled making beside its default (what make_vs_flex compares with)
+                compiled_ms, compiled_first_ms, _ = time_making(
+                    lambda: create_block_mask(mod, B, None, S, S, device="cuda", _compile=True))
+                made["flex"].update(make_compiled_ms=round(compiled_ms, 3), make_compiled_first_ms=round(compiled_first_ms, 1))
+            except Exception as exc:  # noqa: BLE001 - an extra figure; its absence is said in the row
+                made["flex"]["make_compiled_error"] = _first_line(exc)
             if "flex" in only and pairs is None:
                 skip("flex", "its effective TFLOP/s need the allowed pairs, counted by omnigen's mask, which failed")
             elif "flex" in only:

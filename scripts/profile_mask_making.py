@@ -4,6 +4,10 @@ host syncs counted. For issue 29's "making a mask <= create_block_mask".
 
     PYTHONPATH=. python3 scripts/profile_mask_making.py --masks global_sliding_window causal_documents --size 8192
 
+With --compare-compiled it makes each mask with the mod evaluated eagerly and compiled (mask_from_mod's compile_mod
+False / True), checks that the two masks are bit-identical, and times create_block_mask with _compile=True beside its
+default; each maker's first call (the compilation) is printed apart.
+
 With --compare-fused it makes each mask twice, through the torch path (plan/classify_gpu.py's ENABLED off) and the
 Triton path (on), checks that the two masks are bit-identical, and prints one summary line per maker (ms, launches,
 syncs, GPU ms) before the tables (--rows 0: the summaries only).
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-fused", action="store_true",
                         help="omnigen's torch path and its Triton path (classify_gpu.ENABLED off / on), both checked "
                              "bit-identical, beside create_block_mask")
+    parser.add_argument("--compare-compiled", action="store_true",
+                        help="the mod evaluated eagerly and compiled (compile_mod False / True), both checked "
+                             "bit-identical, beside create_block_mask and create_block_mask(_compile=True)")
     parser.add_argument("--eval-elements", type=int, default=None,
                         help="pairs per slab and per call of the mod on the GPU (ruleless.GPU_SLAB_ELEMENTS and "
                              "from_mod.EVAL_ELEMENTS, default 2^26): fewer slabs, fewer launches of the mod, larger "
@@ -54,22 +62,37 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.masks:
         mod = catalogue_mask(name, B, S, "cuda").mask_mod
 
-        def omnigen_maker(fused: bool | None):
+        def omnigen_maker(fused: bool | None, compiled: bool | None = None):
             def make():
                 saved = classify_gpu.ENABLED
                 classify_gpu.ENABLED = saved if fused is None else fused
                 try:
-                    return omnigen.mask_from_mod(mod, B, S, "cuda", head_dim=args.head_dim, dtype=torch.bfloat16)
+                    return omnigen.mask_from_mod(mod, B, S, "cuda", head_dim=args.head_dim, dtype=torch.bfloat16,
+                                                 compile_mod=compiled)
                 finally:
                     classify_gpu.ENABLED = saved
             return make
 
-        makers = ({"omnigen-torch": omnigen_maker(False), "omnigen-triton": omnigen_maker(True)}
-                  if args.compare_fused else {"omnigen": omnigen_maker(None)})
-        makers["flex"] = lambda: create_block_mask(mod, B, None, S, S, device="cuda")
         if args.compare_fused:
-            same = digest(makers["omnigen-torch"]()) == digest(makers["omnigen-triton"]())
-            print(f"== {name} S={S} B={B}: torch and Triton paths' masks bit-identical: {same}")
+            makers = {"omnigen-torch": omnigen_maker(False), "omnigen-triton": omnigen_maker(True)}
+        elif args.compare_compiled:
+            makers = {"omnigen-eager": omnigen_maker(None, False), "omnigen-compiled": omnigen_maker(None, True)}
+        else:
+            makers = {"omnigen": omnigen_maker(None)}
+        makers["flex"] = lambda: create_block_mask(mod, B, None, S, S, device="cuda")
+        if args.compare_compiled:
+            makers["flex-compiled"] = lambda: create_block_mask(mod, B, None, S, S, device="cuda", _compile=True)
+        firsts = {}
+        for who, make in makers.items():  # first calls apart: compilation, kernels, caches
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            firsts[who] = make()
+            torch.cuda.synchronize()
+            print(f"== {name} S={S} B={B} {who}: first call {(time.perf_counter() - start) * 1e3:.1f} ms")
+        for a, b in (("omnigen-torch", "omnigen-triton"), ("omnigen-eager", "omnigen-compiled")):
+            if a in firsts:
+                print(f"== {name} S={S} B={B}: {a} and {b} masks bit-identical: "
+                      f"{digest(firsts[a]) == digest(firsts[b])}")
         for who, make in makers.items():
             ms, _ = timed(make, torch.device("cuda"), 5)  # after one untimed call: kernels, caches
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -389,6 +389,49 @@ def test_mod_errors():
     assert full.plan(16, 16).counts()["partial"] == 0 and full.allowed_pairs == 2 * 40 * 40
 
 
+def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeypatch):
+    """compile_mod=True sends the slabs (not the probe or the head sample) through torch.compile; on the CPU here with
+    Dynamo's eager backend (the GPU tests run Inductor's kernels). A mod that fails to compile is evaluated eagerly,
+    with a warning, and gives the same mask."""
+    compiled_calls = []
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        inner = real_compile(fn, backend="eager")
+
+        def call(*args):
+            compiled_calls.append(tuple(torch.broadcast_shapes(*(a.shape for a in args))))
+            return inner(*args)
+        return call
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    for name in ("causal_documents", "medusa_tree", "random_eviction"):
+        made = catalogue_mask(name, 2, 300, seed=5)
+        eager = omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES, compile_mod=False)
+        assert not compiled_calls
+        compiled = omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES, compile_mod=True)
+        assert compiled_calls and all(shape[-1] == 300 for shape in compiled_calls)  # slabs only: every key
+        compiled_calls.clear()
+        _same(compiled, eager)
+
+    def failing_compile(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("backend said no\nsecond line")
+        return call
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    made = catalogue_mask("share_question", 2, 300, seed=5)
+    with pytest.warns(UserWarning, match="could not be compiled \\(RuntimeError: backend said no\\); evaluating it eagerly"):
+        fallen_back = omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES, compile_mod=True)
+    _same(fallen_back, omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES))
+    # a mod that cannot work on tensors is refused by the eager probe, before any compilation
+    error = _raises("mask_mod failed on index tensors", omnigen.mask_from_mod,
+                    lambda b, h, q, k: True if q >= k else False, 1, 40, "cpu", compile_mod=True)
+    assert len(error.problems) == 1
+    _raises("compile_mod must be True, False or None", omnigen.mask_from_mod, lambda b, h, q, k: q >= k, 1, 40,
+            "cpu", compile_mod="yes")
+
+
 def test_interval_errors():
     S = 10
     lts, lte = torch.full((1, S), 5), torch.full((1, S), S)

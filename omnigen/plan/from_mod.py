@@ -10,11 +10,20 @@ too.
 
 Masks are the same for every head: a mod that depends on `h` is refused, found by evaluating a sample of positions
 with two heads (a dependence the sample misses goes unnoticed: the mask is made with h = 0).
+
+On a GPU the mod's slabs go through `torch.compile` (compile_mod=None: on CUDA): Inductor fuses its operations into one
+kernel that writes the slab's booleans, where eagerly each operation writes a whole slab of int64 temporaries (a
+sliding window's five operations took ~3 ms of a 4.8 ms mask at 8K x 4 on an H100; RESULTS.md). FlexAttention's own
+kernels run the mod compiled too. Dynamo caches by the mod's code, so a mod remade every step as a closure over new
+tensors (document ids) compiles once; the first call of a new mod pays the compilation (seconds). The mod is first
+called eagerly on a few positions, so a mod that cannot work on tensors gets the same message either way; one that
+cannot be compiled is evaluated eagerly, with a warning that says why.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -43,20 +52,43 @@ _TENSOR_FIX = ("omnigen calls it on whole blocks of positions at once: b, h, q_i
                "& | ~ instead of and/or/not, q_idx >= kv_idx, indexing a tensor with q_idx)")
 
 
-class _Mod:
-    """The user's mod, called on broadcasting index tensors, its result checked and made a bool block."""
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
 
-    def __init__(self, mod: MaskMod, device: torch.device) -> None:
+
+def compiles_by_default(device: torch.device) -> bool:
+    """Whether `mask_from_mod(compile_mod=None)` compiles the mod on `device`: on CUDA, outside a compiled region."""
+    return device.type == "cuda" and not torch.compiler.is_compiling()
+
+
+class _Mod:
+    """The user's mod, called on broadcasting index tensors, its result checked and made a bool block.
+
+    `compiled`: slabs (`slab=True` calls) go through torch.compile(mod); the head sample and the first probe stay eager."""
+
+    def __init__(self, mod: MaskMod, device: torch.device, compiled: bool = False) -> None:
         self.mod, self.device = mod, device
         self.h = torch.zeros((), dtype=torch.int64, device=device)
+        self.compiled = torch.compile(mod) if compiled else None
 
-    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None, *,
+                 slab: bool = False) -> torch.Tensor:
         shape = torch.broadcast_shapes(b.shape, q.shape, kv.shape)
-        try:
-            out = self.mod(b, self.h if h is None else h, q, kv)
-        except Exception as exc:
-            raise InputError([f"mask_mod failed on index tensors ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); {_TENSOR_FIX}"]) from exc
+        h = self.h if h is None else h
+        out = None
+        if slab and self.compiled is not None:
+            try:
+                out = self.compiled(b, h, q, kv)
+            except Exception as exc:  # noqa: BLE001 - Dynamo's and Inductor's failures vary; the eager call decides
+                warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({_first_line(exc)}); "
+                              "evaluating it eagerly (slower; pass compile_mod=False to skip the attempt)",
+                              stacklevel=4)
+                self.compiled = None
+        if out is None:
+            try:
+                out = self.mod(b, h, q, kv)
+            except Exception as exc:
+                raise InputError([f"mask_mod failed on index tensors ({_first_line(exc)}); {_TENSOR_FIX}"]) from exc
         if isinstance(out, bool):
             return torch.full(shape, out, dtype=torch.bool, device=self.device)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
@@ -125,19 +157,23 @@ def mask_from_mod(
     dtype: torch.dtype | None = None,
     tiles: Iterable[tuple[int, int]] | None = None,
     partial_bits: int | str = "exact",
+    compile_mod: bool | None = None,
 ) -> Mask:
     """A `Mask` from a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx)` over B sequences of S tokens.
 
     `create_block_mask(mod, B, None, S, S)` becomes `omnigen.mask_from_mod(mod, B, S)`. The mod is evaluated exactly,
     a slab of block-rows at a time on `device` (never an S x S tensor); tiles are classified exactly and every
     partial tile's mask kept as bits. `kv_len`: only S (omnigen's masks are square). `tiles`, `head_dim`, `dtype`,
-    `partial_bits`: as for `omnigen.mask_from_dense`."""
+    `partial_bits`: as for `omnigen.mask_from_dense`. `compile_mod`: evaluate the mod through torch.compile (one fused
+    kernel a slab; the first call of a new mod compiles it); None: on CUDA only."""
     problems = [p for p in (_positive("B", B), _positive("S", S)) if p]
     if not callable(mask_mod):
         problems.append(f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, not "
                         f"{type_name(mask_mod)}")
     elif _signature_problem(mask_mod):
         problems.append(_signature_problem(mask_mod))
+    if compile_mod is not None and not isinstance(compile_mod, bool):
+        problems.append(f"compile_mod must be True, False or None (None: compile on CUDA), not {compile_mod!r}")
     if kv_len is not None and kv_len != S:
         problems.append(f"kv_len={kv_len!r}, but omnigen masks are square: keys and queries are the same S={S} "
                         "tokens (leave kv_len out)")
@@ -145,25 +181,28 @@ def mask_from_mod(
         raise InputError(problems)
     check_capacity_choice(partial_bits)
     device = _check_device(device)
-    mod = _Mod(mask_mod, device)
+    mod = _Mod(mask_mod, device, compiles_by_default(device) if compile_mod is None else compile_mod)
     batches = torch.arange(B, device=device)
     # Every slab's indices are views of these (no launches per slab).
     positions = torch.arange(S, device=device)
     keys = positions[None, None, :]
+    # An eager call on a few positions first (launches only): a mod that cannot work on tensors gets its message here,
+    # before any compilation is tried.
+    mod(batches[:2, None, None], positions[None, :2, None], positions[None, None, :2])
 
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         b = batches[b0:b1, None, None]
         budget = CPU_EVAL_ELEMENTS if device.type == "cpu" else EVAL_ELEMENTS
         rows = max(1, budget // ((b1 - b0) * S))
         if rows >= r1 - r0:  # one call: its result is the slab (no copy)
-            return mod(b, positions[r0:r1, None][None], keys)
+            return mod(b, positions[r0:r1, None][None], keys, slab=True)
         out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
         width = max(1, budget // (b1 - b0))  # keys per call when even one row is too many
         for q0 in range(r0, r1, rows):
             q = positions[q0 : min(r1, q0 + rows), None][None]
             for c0 in range(0, S, width):
                 c1 = min(S, c0 + width)
-                out[:, q0 - r0 : q0 - r0 + q.shape[1], c0:c1] = mod(b, q, keys[..., c0:c1])
+                out[:, q0 - r0 : q0 - r0 + q.shape[1], c0:c1] = mod(b, q, keys[..., c0:c1], slab=True)
         return out
 
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
