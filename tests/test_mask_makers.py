@@ -393,17 +393,20 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
     """compile_mod=True sends the slabs (not the probe or the head sample) through torch.compile; on the CPU here with
     Dynamo's eager backend (the GPU tests run Inductor's kernels). A mod that fails to compile is evaluated eagerly,
     with a warning, and gives the same mask."""
+    from omnigen.plan import from_mod
+
     compiled_calls = []
     real_compile = torch.compile
 
     def counting_compile(fn, **kwargs):
         inner = real_compile(fn, backend="eager")
 
-        def call(*args):
-            compiled_calls.append(tuple(torch.broadcast_shapes(*(a.shape for a in args))))
-            return inner(*args)
+        def call(mod, *index):
+            compiled_calls.append(tuple(torch.broadcast_shapes(*(a.shape for a in index))))
+            return inner(mod, *index)
         return call
 
+    monkeypatch.setattr(from_mod, "_COMPILED", {})  # evaluators made with this test's compile stay with it
     monkeypatch.setattr(torch, "compile", counting_compile)
     for name in ("causal_documents", "medusa_tree", "random_eviction"):
         made = catalogue_mask(name, 2, 300, seed=5)
@@ -413,9 +416,16 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
         assert compiled_calls and all(shape[-1] == 300 for shape in compiled_calls)  # slabs only: every key
         compiled_calls.clear()
         _same(compiled, eager)
+    assert len(from_mod._COMPILED) == 3  # one evaluator per mod code: closures remade per call share it
+    omnigen.mask_from_mod(catalogue_mask("medusa_tree", 2, 300, seed=6).mask_mod, 2, 300, "cpu", tiles=TILES,
+                          compile_mod=True)
+    assert len(from_mod._COMPILED) == 3
+
+    attempts = []
 
     def failing_compile(fn, **kwargs):
         def call(*args):
+            attempts.append(1)
             raise RuntimeError("backend said no\nsecond line")
         return call
 
@@ -424,6 +434,9 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
     with pytest.warns(UserWarning, match="could not be compiled \\(RuntimeError: backend said no\\); evaluating it eagerly"):
         fallen_back = omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES, compile_mod=True)
     _same(fallen_back, omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES))
+    again = omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES, compile_mod=True)  # eager, no new try
+    assert len(attempts) == 1
+    _same(again, fallen_back)
     # a mod that cannot work on tensors is refused by the eager probe, before any compilation
     error = _raises("mask_mod failed on index tensors", omnigen.mask_from_mod,
                     lambda b, h, q, k: True if q >= k else False, 1, 40, "cpu", compile_mod=True)

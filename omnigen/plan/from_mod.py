@@ -23,6 +23,7 @@ cannot be compiled is evaluated eagerly, with a warning that says why.
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 from typing import Callable, Iterable
 
@@ -56,6 +57,32 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
 
 
+def _evaluate(mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return mod(b, h, q, kv)
+
+
+# One compiled copy of `_evaluate` per mod code (or type, for callables without code), the mod passed in as an
+# argument. Why not torch.compile(mod) per call: making the wrapper copies Inductor's config, 3.5 ms on an H100's host
+# against 0.1 ms for a compiled slab (RESULTS.md), and a training loop remakes its mod, a closure over the step's
+# document ids, every step; Dynamo inlines the mod and guards on its code, so closures of one code share a graph. Why
+# a copy per code: Dynamo's cache and its recompile limit (8) are per code object, so one shared `_evaluate` would stop
+# compiling after eight different mods.
+# A mod whose compilation failed maps to None: evaluated eagerly from then on, warned about once.
+_COMPILED: dict[object, Callable | None] = {}
+
+
+def _code_of(mod: MaskMod) -> object:
+    return getattr(mod, "__code__", None) or type(mod)
+
+
+def _compiled_evaluator(mod: MaskMod) -> Callable | None:
+    key = _code_of(mod)
+    if key not in _COMPILED:
+        code = _evaluate.__code__.replace(co_name=f"_evaluate_{len(_COMPILED)}")
+        _COMPILED[key] = torch.compile(types.FunctionType(code, _evaluate.__globals__))
+    return _COMPILED[key]
+
+
 def compiles_by_default(device: torch.device) -> bool:
     """Whether `mask_from_mod(compile_mod=None)` compiles the mod on `device`: on CUDA, outside a compiled region."""
     return device.type == "cuda" and not torch.compiler.is_compiling()
@@ -64,12 +91,13 @@ def compiles_by_default(device: torch.device) -> bool:
 class _Mod:
     """The user's mod, called on broadcasting index tensors, its result checked and made a bool block.
 
-    `compiled`: slabs (`slab=True` calls) go through torch.compile(mod); the head sample and the first probe stay eager."""
+    `compiled`: slabs (`slab=True` calls) go through the mod's compiled evaluator; the head sample and the first probe
+    stay eager."""
 
     def __init__(self, mod: MaskMod, device: torch.device, compiled: bool = False) -> None:
         self.mod, self.device = mod, device
         self.h = torch.zeros((), dtype=torch.int64, device=device)
-        self.compiled = torch.compile(mod) if compiled else None
+        self.compiled = _compiled_evaluator(mod) if compiled else None
 
     def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None, *,
                  slab: bool = False) -> torch.Tensor:
@@ -78,12 +106,12 @@ class _Mod:
         out = None
         if slab and self.compiled is not None:
             try:
-                out = self.compiled(b, h, q, kv)
+                out = self.compiled(self.mod, b, h, q, kv)
             except Exception as exc:  # noqa: BLE001 - Dynamo's and Inductor's failures vary; the eager call decides
                 warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({_first_line(exc)}); "
-                              "evaluating it eagerly (slower; pass compile_mod=False to skip the attempt)",
+                              "evaluating it eagerly from now on (slower; compile_mod=False skips the attempt)",
                               stacklevel=4)
-                self.compiled = None
+                self.compiled = _COMPILED[_code_of(self.mod)] = None
         if out is None:
             try:
                 out = self.mod(b, h, q, kv)
