@@ -15,9 +15,9 @@ On a GPU the mod's slabs go through `torch.compile` (compile_mod=None: on CUDA):
 kernel that writes the slab's booleans, where eagerly each operation writes a whole slab of int64 temporaries (a
 sliding window's five operations took ~3 ms of a 4.8 ms mask at 8K x 4 on an H100; RESULTS.md). FlexAttention's own
 kernels run the mod compiled too. Dynamo caches by the mod's code, so a mod remade every step as a closure over new
-tensors (document ids) compiles once; the first call of a new mod pays the compilation (seconds). The mod is first
-called eagerly on a few positions, so a mod that cannot work on tensors gets the same message either way; one that
-cannot be compiled is evaluated eagerly, with a warning that says why.
+tensors (document ids) compiles once; the first call of a new mod pays the compilation (seconds). Where a compiled
+call fails, the mod is called eagerly: a mod that cannot work on tensors gets the same message either way; one that
+only the compiler refuses is evaluated eagerly from then on, with a warning that says why.
 """
 
 from __future__ import annotations
@@ -91,32 +91,33 @@ def compiles_by_default(device: torch.device) -> bool:
 class _Mod:
     """The user's mod, called on broadcasting index tensors, its result checked and made a bool block.
 
-    `compiled`: slabs (`slab=True` calls) go through the mod's compiled evaluator; the head sample and the first probe
-    stay eager."""
+    `compiled`: every call goes through the mod's compiled evaluator (eagerly again where it fails: the eager call
+    tells the mod's own faults from the compiler's)."""
 
     def __init__(self, mod: MaskMod, device: torch.device, compiled: bool = False) -> None:
         self.mod, self.device = mod, device
         self.h = torch.zeros((), dtype=torch.int64, device=device)
         self.compiled = _compiled_evaluator(mod) if compiled else None
 
-    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None, *,
-                 slab: bool = False) -> torch.Tensor:
+    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         shape = torch.broadcast_shapes(b.shape, q.shape, kv.shape)
         h = self.h if h is None else h
-        out = None
-        if slab and self.compiled is not None:
+        out = failure = None
+        if self.compiled is not None:
             try:
                 out = self.compiled(self.mod, b, h, q, kv)
             except Exception as exc:  # noqa: BLE001 - Dynamo's and Inductor's failures vary; the eager call decides
-                warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({_first_line(exc)}); "
-                              "evaluating it eagerly from now on (slower; compile_mod=False skips the attempt)",
-                              stacklevel=4)
-                self.compiled = _COMPILED[_code_of(self.mod)] = None
+                failure = exc
         if out is None:
             try:
                 out = self.mod(b, h, q, kv)
-            except Exception as exc:
+            except Exception as exc:  # the mod's own fault, compiled or not: say so, and not a word of compiling
                 raise InputError([f"mask_mod failed on index tensors ({_first_line(exc)}); {_TENSOR_FIX}"]) from exc
+        if failure is not None:
+            warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({_first_line(failure)}); "
+                          "evaluating it eagerly from now on (slower; compile_mod=False skips the attempt)",
+                          stacklevel=4)
+            self.compiled = _COMPILED[_code_of(self.mod)] = None
         if isinstance(out, bool):
             return torch.full(shape, out, dtype=torch.bool, device=self.device)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
@@ -214,23 +215,20 @@ def mask_from_mod(
     # Every slab's indices are views of these (no launches per slab).
     positions = torch.arange(S, device=device)
     keys = positions[None, None, :]
-    # An eager call on a few positions first (launches only): a mod that cannot work on tensors gets its message here,
-    # before any compilation is tried.
-    mod(batches[:2, None, None], positions[None, :2, None], positions[None, None, :2])
 
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         b = batches[b0:b1, None, None]
         budget = CPU_EVAL_ELEMENTS if device.type == "cpu" else EVAL_ELEMENTS
         rows = max(1, budget // ((b1 - b0) * S))
         if rows >= r1 - r0:  # one call: its result is the slab (no copy)
-            return mod(b, positions[r0:r1, None][None], keys, slab=True)
+            return mod(b, positions[r0:r1, None][None], keys)
         out = torch.empty(b1 - b0, r1 - r0, S, dtype=torch.bool, device=device)
         width = max(1, budget // (b1 - b0))  # keys per call when even one row is too many
         for q0 in range(r0, r1, rows):
             q = positions[q0 : min(r1, q0 + rows), None][None]
             for c0 in range(0, S, width):
                 c1 = min(S, c0 + width)
-                out[:, q0 - r0 : q0 - r0 + q.shape[1], c0:c1] = mod(b, q, keys[..., c0:c1], slab=True)
+                out[:, q0 - r0 : q0 - r0 + q.shape[1], c0:c1] = mod(b, q, keys[..., c0:c1])
         return out
 
     shapes = tile_shapes(S, device, tiles, head_dim, dtype)
