@@ -411,7 +411,8 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
             try:  # FlexAttention's compiled making beside its default (what make_vs_flex compares with)
                 compiled_ms, compiled_first_ms, _ = time_making(
                     lambda: create_block_mask(mod, B, None, S, S, device="cuda", _compile=True))
-                made["flex"].update(make_compiled_ms=round(compiled_ms, 3), make_compiled_first_ms=round(compiled_first_ms, 1))
+                made["flex"].update(make_compiled_ms=round(compiled_ms, 3),
+                                    make_compiled_first_ms=round(compiled_first_ms, 1))
             except Exception as exc:  # noqa: BLE001 - an extra figure; its absence is said in the row
                 made["flex"]["make_compiled_error"] = _first_line(exc)
             if "flex" in only and pairs is None:

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.profiler import ProfilerActivity, profile
 
+    # create_block_mask(_compile=True) compiles once per mod: past Dynamo's default limit of 8 it would fall back
+    # to eager and time that instead
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     S, B = args.size, max(1, args.tokens // args.size)
     for name in args.masks:
         mod = catalogue_mask(name, B, S, "cuda").mask_mod

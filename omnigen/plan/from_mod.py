@@ -11,8 +11,8 @@ too.
 Masks are the same for every head: a mod that depends on `h` is refused, found by evaluating a sample of positions
 with two heads (a dependence the sample misses goes unnoticed: the mask is made with h = 0).
 
-On a GPU the mod's slabs go through `torch.compile` (compile_mod=None: on CUDA): Inductor fuses its operations into one
-kernel that writes the slab's booleans, where eagerly each operation writes a whole slab of int64 temporaries (a
+On a GPU the mod goes through `torch.compile` (compile_mod=None: on CUDA): Inductor fuses its operations into one
+kernel that writes a slab's booleans, where eagerly each operation writes a whole slab of int64 temporaries (a
 sliding window's five operations took ~3 ms of a 4.8 ms mask at 8K x 4 on an H100; RESULTS.md). FlexAttention's own
 kernels run the mod compiled too. Dynamo caches by the mod's code, so a mod remade every step as a closure over new
 tensors (document ids) compiles once; the first call of a new mod pays the compilation (seconds). Where a compiled
