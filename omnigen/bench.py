@@ -54,6 +54,7 @@ from .tune import layouts as tune_layouts
 from .tune import timing
 
 PEERS = ("omnigen", "flex", "sdpa_dense", "cudnn_dense", "flash_causal", "cudnn_causal")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DIMS = (64, 128)
 DEFAULT_SIZES = (4096, 8192, 16384, 32768)
 DEFAULT_TOKENS = 32768
@@ -70,12 +71,14 @@ class NoGPU(RuntimeError):
 
 @dataclass
 class Workload:
-    """One shape: B layouts of S tokens, H heads of dim D."""
+    """One shape: B layouts of S tokens, H query heads of dim D (heads_kv key/value heads, 0: H), in `dtype`."""
 
     rules: Rules
     layouts: LayoutBatch
     dim: int
     heads: int
+    heads_kv: int = 0
+    dtype: str = "bf16"
 
     @property
     def batch(self) -> int:
@@ -103,13 +106,24 @@ class Result:
 
 
 def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
-              heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None) -> list[Workload]:
+              heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None, heads_kv: int = 0,
+              dtype: str = "bf16") -> list[Workload]:
     """The rules' synthetic layouts per S in `sizes`, or the user's layouts grouped by length bucket."""
     if layouts:
         groups = [LayoutBatch(group) for group in tune_layouts.bucket_user_layouts(layouts, tokens).values()]
     else:
         groups = [LayoutBatch(tune_layouts.synthetic_batch(rules, S, tokens, seed)) for S in sizes]
-    return [Workload(rules, group, dim, heads) for dim in dims for group in groups]
+    check_heads(heads, heads_kv, dtype)
+    return [Workload(rules, group, dim, heads, heads_kv, dtype) for dim in dims for group in groups]
+
+
+def check_heads(heads: int, heads_kv: int, dtype: str) -> None:
+    """ValueError unless `heads_kv` (0: `heads`) divides `heads` (GQA groups) and `dtype` is one of DTYPES."""
+    if heads_kv < 0 or (heads_kv and heads % heads_kv):
+        raise ValueError(f"--heads-kv {heads_kv} must divide --heads {heads} (each key/value head serves a group of "
+                         "query heads), e.g. --heads 16 --heads-kv 4")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
 
 
 def rules_mask_mod(rules: Rules, tables: Any) -> Callable:
@@ -135,12 +149,15 @@ def rules_mask_mod(rules: Rules, tables: Any) -> Callable:
     return mask_mod
 
 
-def random_inputs(B: int, heads: int, S: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """q, k, v (requiring grad) and dO: bf16 [B, heads, S, dim], never zeros, from a seeded CUDA generator."""
+def random_inputs(B: int, heads: int, S: int, dim: int, seed: int, heads_kv: int = 0,
+                  dtype: str = "bf16") -> tuple[torch.Tensor, ...]:
+    """q (requiring grad) [B, heads, S, dim], k and v (requiring grad) [B, heads_kv or heads, S, dim] and dO like q,
+    in `dtype` (DTYPES), never zeros, from a seeded CUDA generator."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kinds = DTYPES[dtype]
+    q, k, v = (torch.randn(B, h, S, dim, device="cuda", dtype=kinds, generator=gen).requires_grad_()
+               for h in (heads, heads_kv or heads, heads_kv or heads))
+    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=kinds, generator=gen)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -168,6 +185,7 @@ def peers(work: Workload, q, k, v, only: tuple[str, ...] = PEERS) -> tuple[dict[
     def skip(name: str, reason: str) -> None:
         skipped.append({"impl": name, "D": work.dim, "S": S, "B": B, "reason": reason})
 
+    gqa = k.shape[1] != q.shape[1]
     omnigen_mask = make_mask(work.rules, work.layouts, device="cuda", head_dim=work.dim, dtype=q.dtype)
     pairs = omnigen_mask.allowed_pairs
     causal_pairs = B * S * (S + 1) // 2
@@ -184,11 +202,14 @@ def peers(work: Workload, q, k, v, only: tuple[str, ...] = PEERS) -> tuple[dict[
                 tables = work.layouts.tables(work.rules, "cuda")
                 block_mask = create_block_mask(rules_mask_mod(work.rules, tables), B, None, S, S, device="cuda")
                 flex = torch.compile(flex_attention, dynamic=False)
-                out["flex"] = (lambda: flex(q, k, v, block_mask=block_mask), pairs)
+                out["flex"] = (lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa), pairs)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 skip("flex", _first_line(exc))
 
     def sdpa_with(backend, **kwargs):
+        if gqa:  # SDPA's own grouped heads (a backend without them is skipped, with SDPA's reason)
+            kwargs["enable_gqa"] = True
+
         def run():
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -234,7 +255,7 @@ def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, on
     forward+backward."""
     step = on_step or (lambda _label: None)
     B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
-    q, k, v, d_out = random_inputs(B, H, S, D, seed)
+    q, k, v, d_out = random_inputs(B, H, S, D, seed, work.heads_kv, work.dtype)
     try:
         candidates, skipped = peers(work, q, k, v, only)
     except torch.cuda.OutOfMemoryError as exc:
@@ -310,6 +331,8 @@ class MaskWorkload:
     seq_len: int
     dim: int
     heads: int
+    heads_kv: int = 0
+    dtype: str = "bf16"
 
     def mask_mod(self, seed: int = 0) -> Callable:
         """The mask_mod for this shape, its tensors on the current CUDA device."""
@@ -336,9 +359,11 @@ def check_mask_specs(masks: list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def mask_workloads(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=DEFAULT_MASK_SIZES,
-                   tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS) -> list[MaskWorkload]:
+                   tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS, heads_kv: int = 0,
+                   dtype: str = "bf16") -> list[MaskWorkload]:
     """Every (mask, S, D): B = tokens // S sequences (at least one)."""
-    return [MaskWorkload(spec, max(1, tokens // S), S, dim, heads)
+    check_heads(heads, heads_kv, dtype)
+    return [MaskWorkload(spec, max(1, tokens // S), S, dim, heads, heads_kv, dtype)
             for spec in check_mask_specs(masks) for S in sizes for dim in dims]
 
 
@@ -381,7 +406,7 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
     def skip(name: str, reason: str) -> None:
         skipped.append({"impl": name, "D": D, "S": S, "B": B, "reason": reason})
 
-    q, k, v, d_out = random_inputs(B, H, S, D, seed)
+    q, k, v, d_out = random_inputs(B, H, S, D, seed, work.heads_kv, work.dtype)
     mod = work.mask_mod(seed)
     candidates: dict[str, tuple[Callable, int]] = {}
     made: dict[str, dict] = {}
@@ -419,7 +444,7 @@ def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: in
                 skip("flex", "its effective TFLOP/s need the allowed pairs, counted by omnigen's mask, which failed")
             elif "flex" in only:
                 flex = torch.compile(flex_attention, dynamic=False)
-                candidates["flex"] = (lambda: flex(q, k, v, block_mask=block_mask), pairs)
+                candidates["flex"] = (lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != H), pairs)
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
             skip("flex", _first_line(exc))
     step("masks made")
@@ -438,16 +463,17 @@ def run_masks(masks: list[str] | tuple[str, ...], *, dims=DEFAULT_DIMS, sizes=DE
               tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS, seed: int = 0, rounds: int = 6,
               reps: int = 3, only: tuple[str, ...] = MASK_PEERS, on_step: Callable[[str], None] | None = None,
               on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS,
-              tile_cost: bool = False) -> Result:
+              tile_cost: bool = False, heads_kv: int = 0, dtype: str = "bf16") -> Result:
     """Every (mask, S, D) of `mask_workloads` through omnigen and FlexAttention; with `tile_cost`, also each one's
     `mask_tile_cost` (into `result.tile_costs`). Raises NoGPU without CUDA."""
-    work = mask_workloads(masks, dims, sizes, tokens, heads)  # bad names fail before the GPU check
+    work = mask_workloads(masks, dims, sizes, tokens, heads, heads_kv, dtype)  # bad input fails before the GPU check
     if not torch.cuda.is_available():
         raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape
     result = Result(info={
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "masks": list(check_mask_specs(masks)),
-        "tokens": tokens, "heads": heads, "dtype": "bf16", "seed": seed, "settle_ms": settle_ms,
+        "tokens": tokens, "heads": heads, "heads_kv": heads_kv or heads, "dtype": dtype, "seed": seed,
+        "settle_ms": settle_ms,
     })
     for shape in work:
         rows, skipped = measure_mask(shape, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step,
@@ -483,7 +509,7 @@ def mask_tile_cost(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: 
     from .semantics import EMPTY, FULL, PARTIAL
 
     B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
-    q, k, v, d_out = random_inputs(B, H, S, D, seed)
+    q, k, v, d_out = random_inputs(B, H, S, D, seed, work.heads_kv, work.dtype)
     mask = mask_from_mod(work.mask_mod(seed), B, S, "cuda", head_dim=D, dtype=q.dtype)
     variants = {"full": every_tile_as(mask, FULL), "partial": every_tile_as(mask, PARTIAL)}
     functions: dict[str, Callable] = {}
@@ -522,16 +548,20 @@ STEPS_PER_WORKLOAD = 4
 def run(rules: Rules, *, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = DEFAULT_TOKENS,
         heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None, rounds: int = 6,
         reps: int = 3, only: tuple[str, ...] = PEERS, on_step: Callable[[str], None] | None = None,
-        on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS) -> Result:
-    """Every workload of the rules against every peer (see the module docstring). Raises NoGPU without CUDA."""
+        on_row: Callable[[dict], None] | None = None, settle_ms: float = timing.BENCH_SETTLE_MS,
+        heads_kv: int = 0, dtype: str = "bf16") -> Result:
+    """Every workload of the rules against every peer (see the module docstring); `heads_kv` key/value heads (0:
+    `heads`; fewer: grouped-query attention, SDPA's and FlexAttention's enable_gqa), inputs in `dtype` ("bf16",
+    "fp16"). Raises NoGPU without CUDA."""
+    shapes = workloads(rules, dims, sizes, tokens, heads, seed, layouts, heads_kv, dtype)  # bad input fails first
     if not torch.cuda.is_available():
         raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape
     result = Result(info={
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rules": rules.name, "tokens": tokens,
-        "heads": heads, "dtype": "bf16", "seed": seed, "settle_ms": settle_ms,
+        "heads": heads, "heads_kv": heads_kv or heads, "dtype": dtype, "seed": seed, "settle_ms": settle_ms,
     })
-    for work in workloads(rules, dims, sizes, tokens, heads, seed, layouts):
+    for work in shapes:
         rows, skipped = measure(work, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step,
                                 settle_ms=settle_ms)
         result.rows += rows
@@ -562,7 +592,9 @@ def table(result: Result) -> str:
     """The rows as a text table, then one line per skipped peer (what and why)."""
     info = result.info
     settled = f", each peer timed after {info['settle_ms']:g} ms of its own load" if info.get("settle_ms") else ""
-    lines = [f"attention, {info.get('dtype', 'bf16')}, H={info.get('heads')}, B*S={info.get('tokens')}, "
+    kv = info.get("heads_kv", info.get("heads"))
+    heads = f"H={info.get('heads')}" + (f", Hkv={kv}" if kv != info.get("heads") else "")
+    lines = [f"attention, {info.get('dtype', 'bf16')}, {heads}, B*S={info.get('tokens')}, "
              f"GPU: {info.get('gpu')}, torch {info.get('torch')}{settled}"]
     columns = MASK_COLUMNS if any("mask" in r for r in result.rows) else COLUMNS
     cells = [[str(r.get(c, "-")) for c in columns] for r in result.rows]

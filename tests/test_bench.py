@@ -36,6 +36,10 @@ def test_bench_help_and_bad_options():
     assert bad.exit_code == 2 and "--peers: unknown magic" in bad.output
     bad = runner.invoke(cli, ["bench", "--rules", str(EXAMPLES / "transfusion.yaml"), "--sizes", "8k"])
     assert bad.exit_code == 2 and "--sizes must be whole numbers" in bad.output
+    bad = runner.invoke(cli, ["bench", "--rules", str(EXAMPLES / "transfusion.yaml"), "--heads", "16", "--heads-kv", "5"])
+    assert bad.exit_code == 2 and "--heads-kv 5 must divide --heads 16" in " ".join(bad.output.split())
+    bad = runner.invoke(cli, ["bench", "--mask", "medusa_tree", "--dtype", "fp32"])
+    assert bad.exit_code == 2 and "'fp32' is not one of 'bf16', 'fp16'" in bad.output
 
 
 def test_bench_layouts_file_errors_name_file_and_line(tmp_path):
@@ -50,6 +54,13 @@ def test_workloads_and_steps():
     work = bench.workloads(r, dims=(64, 128), sizes=(1024, 2048), tokens=4096)
     assert [(w.dim, w.seq_len, w.batch) for w in work] == [(64, 1024, 4), (64, 2048, 2), (128, 1024, 4), (128, 2048, 2)]
     assert bench.count_steps(r, (64, 128), (1024, 2048), 4096) == 4 * len(work)
+    grouped = bench.workloads(r, dims=(64,), sizes=(1024,), tokens=4096, heads=16, heads_kv=4, dtype="fp16")
+    assert [(w.heads, w.heads_kv, w.dtype) for w in grouped] == [(16, 4, "fp16")]
+    assert bench.mask_workloads(["medusa_tree"], (64,), (1024,), 4096, 8, 2, "fp16")[0].heads_kv == 2
+    with pytest.raises(ValueError, match="must divide"):
+        bench.workloads(r, dims=(64,), sizes=(1024,), tokens=4096, heads=16, heads_kv=3)
+    with pytest.raises(ValueError, match="choose one of bf16, fp16"):
+        bench.mask_workloads(["medusa_tree"], (64,), (1024,), 4096, 8, 0, "fp8")
     user = [omnigen.Layout.parse("text:100 image:256"), omnigen.Layout.parse("image:256 text:90")]
     work = bench.workloads(r, dims=(64,), tokens=1024, layouts=user)
     assert len(work) == 1 and work[0].seq_len == 356 and work[0].batch == 2
@@ -68,6 +79,8 @@ def test_table_lists_rows_and_what_was_skipped_and_why():
     assert "skipped sdpa_dense at D=128 S=8192 B=4: out of memory for the dense mask" in text
     assert '"skipped"' in result.to_json()
     assert "settle" not in text.splitlines()[0]  # an old result without settling says nothing of it
+    grouped = bench.Result(rows=result.rows, info={**result.info, "heads_kv": 4, "dtype": "fp16"})
+    assert bench.table(grouped).splitlines()[0].startswith("attention, fp16, H=16, Hkv=4, B*S=32768")
     result.info["settle_ms"] = 250.0
     assert bench.table(result).splitlines()[0].endswith("torch 2.x, each peer timed after 250 ms of its own load")
 

@@ -44,6 +44,11 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--tokens", default=library.DEFAULT_TOKENS, show_default=True, type=click.IntRange(min=1),
               help="B * S per measurement.")
 @click.option("--heads", default=library.DEFAULT_HEADS, show_default=True, type=click.IntRange(min=1))
+@click.option("--heads-kv", default=0, type=click.IntRange(min=0), metavar="N",
+              help="Key/value heads, dividing --heads: grouped-query attention (every peer on the same grouped "
+                   "inputs; SDPA and FlexAttention with enable_gqa). Default: --heads.")
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(sorted(library.DTYPES)),
+              help="The inputs' type.")
 @click.option("--peers", "peer_list", metavar="NAME,...",
               help=f"Which implementations to time: of {', '.join(library.PEERS)} with --rules (default all), of "
                    f"{', '.join(library.MASK_PEERS)} with --mask / --mask-mod (default both).")
@@ -61,8 +66,8 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--png", "png_path", metavar="FILE", help="Also plot effective TFLOP/s against S to FILE. Needs matplotlib.")
 @user_errors
 def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tuple[str, ...],
-                  layouts_path: str | None, dims: str, sizes: str | None, tokens: int, heads: int,
-                  peer_list: str | None, rounds: int, reps: int, settle_ms: float, tile_cost: bool, seed: int,
+                  layouts_path: str | None, dims: str, sizes: str | None, tokens: int, heads: int, heads_kv: int,
+                  dtype: str, peer_list: str | None, rounds: int, reps: int, settle_ms: float, tile_cost: bool, seed: int,
                   json_path: str | None, png_path: str | None) -> None:
     """Time omnigen against FlexAttention, SDPA with the dense mask and the causal kernels on this GPU.
 
@@ -73,6 +78,7 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
       omnigen bench --mask medusa_tree,longformer --dims 128 --sizes 8192
       omnigen bench --mask random_eviction --dims 128 --sizes 8192 --tile-cost
       omnigen bench --mask-mod my_masks.py:make_mod --sizes 8192
+      omnigen bench --rules examples/rules/transfusion.yaml --dims 128 --heads 16 --heads-kv 4 --dtype fp16
 
     With --rules: the rules' layouts through every peer. With --mask / --mask-mod (masks no rule says,
     issue 29): the same mask_mod through omnigen (mask_from_mod) and FlexAttention (create_block_mask),
@@ -98,6 +104,7 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
     unknown = sorted(set(peers) - set(choices))
     if unknown or not peers:
         raise UserError(f"--peers: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(choices)}")
+    library.check_heads(heads, heads_kv, dtype)
     if tile_cost and not masks:
         raise UserError("--tile-cost times masks no rule says (--mask / --mask-mod); the rules kernels' tile cost is "
                         "benchmarks/bench_attention.py --tile-cost")
@@ -108,7 +115,7 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
         size_list = _ints(sizes, "--sizes") if sizes else library.DEFAULT_MASK_SIZES
         specs = library.check_mask_specs(masks)
         _bench_masks(specs, dim_list, size_list, tokens, heads, peers, rounds, reps, settle_ms, seed, json_path,
-                     png_path, tile_cost)
+                     png_path, tile_cost, heads_kv, dtype)
         return
     rules = Rules.load(rules_path)
     sizes = sizes or ",".join(map(str, library.DEFAULT_SIZES))
@@ -124,7 +131,7 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
     with click.progressbar(length=steps, label="benchmarking", file=sys.stderr, show_pos=True) as bar:
         result = library.run(rules, dims=dim_list, sizes=size_list, tokens=tokens, heads=heads, seed=seed,
                              layouts=layouts, rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
-                             on_step=lambda _label: bar.update(1))
+                             on_step=lambda _label: bar.update(1), heads_kv=heads_kv, dtype=dtype)
     _report(result, json_path, png_path)
 
 
@@ -135,7 +142,7 @@ def _names(text: str | None) -> list[str]:
 
 def _bench_masks(specs: tuple[str, ...], dims: tuple[int, ...], sizes: tuple[int, ...], tokens: int, heads: int,
                  peers: tuple[str, ...], rounds: int, reps: int, settle_ms: float, seed: int, json_path: str | None,
-                 png_path: str | None, tile_cost: bool = False) -> None:
+                 png_path: str | None, tile_cost: bool = False, heads_kv: int = 0, dtype: str = "bf16") -> None:
     import torch
 
     if not torch.cuda.is_available():
@@ -144,7 +151,8 @@ def _bench_masks(specs: tuple[str, ...], dims: tuple[int, ...], sizes: tuple[int
     with click.progressbar(length=steps, label="benchmarking masks", file=sys.stderr, show_pos=True) as bar:
         result = library.run_masks(specs, dims=dims, sizes=sizes, tokens=tokens, heads=heads, seed=seed,
                                    rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
-                                   on_step=lambda _label: bar.update(1), tile_cost=tile_cost)
+                                   on_step=lambda _label: bar.update(1), tile_cost=tile_cost, heads_kv=heads_kv,
+                                   dtype=dtype)
     _report(result, json_path, png_path)
 
 
