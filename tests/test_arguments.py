@@ -80,7 +80,7 @@ def _binding_traits(binding: str) -> dict[str, object]:
     problem = re.search(r'constexpr const char\* kBackwardProblem = "(.*)";', binding).group(1)
     return {"has_backward": flag("kHasBackward"), "backward_problem": problem or None,
             "persistent_forward": flag("kPersistentForward"), "partial_bits": flag("kPartialBits"),
-            "ordered_dq": flag("kOrderedDq")}
+            "ordered_dq": flag("kOrderedDq"), "group_dkdv": flag("kGroupDkdv")}
 
 
 @pytest.mark.parametrize("rules_name, config", [
@@ -104,7 +104,7 @@ def test_the_binding_exports_the_familys_traits(rules_name, config):
     assert _binding_traits(binding) == asdict(traits)
     module = type("Module", (), {"HAS_BACKWARD": traits.has_backward, "BACKWARD_PROBLEM": traits.backward_problem,
                                  "PERSISTENT_FORWARD": traits.persistent_forward, "PARTIAL_BITS": traits.partial_bits,
-                                 "ORDERED_DQ": traits.ordered_dq})
+                                 "ORDERED_DQ": traits.ordered_dq, "GROUP_DKDV": traits.group_dkdv})
     found = launch.capabilities(module)
     assert {name: getattr(found, name) for name in asdict(traits)} == asdict(traits)
     if config.forward_only:

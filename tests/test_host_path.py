@@ -174,3 +174,54 @@ def test_png_tile_panel_is_downsampled_not_the_plan():
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def test_the_backward_adds_gqa_groups_in_the_kernel_only_where_it_can(monkeypatch):
+    """launch.backward_pass asks a GROUP_DKDV module to add each group's dK/dV itself (dkdv_group = Hq / Hkv, into
+    float32 [B, Hkv, S, D] buffers it zeroes) in atomic mode for groups of a power of two; deterministic mode, other
+    groups and modules without the flag get per-query-head partials [B, Hq, S, D] that it sums."""
+    from types import SimpleNamespace
+
+    from omnigen.kernels import arguments, launch
+
+    monkeypatch.setattr(launch, "_stream", lambda: 0)
+
+    def by_name(args):  # the binding's positional arguments by field name (strides three at a time)
+        values, at = {}, 0
+        for key, strides in arguments.BACKWARD.call_keys:
+            values[key] = args[at : at + 3] if strides else args[at]
+            at += 3 if strides else 1
+        return values
+
+    class Module:
+        MODULE_NAME = None  # not cached: each case reads its own flags
+
+        def __init__(self, group_dkdv: bool) -> None:
+            self.GROUP_DKDV, self.calls = group_dkdv, []
+
+        def backward_delta(self, *args):
+            pass
+
+        def backward(self, *args, **keywords):
+            values = by_name(args)
+            self.calls.append((keywords.get("dkdv_group", 1), values["dk_strides"][0] // (S * D)))  # buffer heads
+
+    S, D = 8, 16
+    empty = torch.zeros(0, dtype=torch.int32)
+    tables = SimpleNamespace(token_segment=empty, token_modality=empty, token_doc=empty)
+    plan = SimpleNamespace(tables=tables, fwd_ptr=empty, fwd_kv=empty, bwd_ptr=empty, bwd_q=empty,
+                           dq_ranks=lambda: empty)
+
+    def run(module, Hq, Hkv, deterministic=False):
+        q, out, d_out = (torch.randn(1, Hq, S, D) for _ in range(3))
+        k, v = torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+        lse = torch.randn(1, Hq, S)
+        _, dk, dv = launch.backward_pass(module, plan, q, k, v, out, lse, d_out, 1.0, deterministic)
+        assert dk.shape == dv.shape == (1, Hkv, S, D)
+        return module.calls[-1]
+
+    assert run(Module(True), 8, 2) == (4, 2)  # added by the kernel into [B, Hkv, S, D]
+    assert run(Module(True), 8, 2, deterministic=True) == (1, 8)  # per query head, summed here
+    assert run(Module(True), 6, 2) == (1, 6)  # a group of 3: summed here
+    assert run(Module(False), 8, 2) == (1, 8)
+    assert run(Module(True), 4, 4) == (1, 4)  # no GQA: the real dk, [B, H, S, D]

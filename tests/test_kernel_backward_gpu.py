@@ -123,8 +123,10 @@ def run_delta(module, o, d_o):
     return delta
 
 
-def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=False, strided_out=False):
-    """(dq, dk, dv) in float32, dk/dv summed over each GQA group as the op does."""
+def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=False, strided_out=False,
+                 grouped=False):
+    """(dq, dk, dv) in float32, dk/dv summed over each GQA group as the op does (`grouped`: by the kernel itself,
+    dkdv_group = Hq / Hkv, into zeroed float32 [B, Hkv, S, D])."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     # Atomic mode and the ordered dQ add into dq_accum, so it starts at zero; the sm80 deterministic dQ kernel
@@ -138,12 +140,16 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
         dv = torch.full(shape, float("nan"), device=q.device, dtype=q.dtype)
         if strided_out:
             dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+    elif grouped:  # the kernel adds each group's heads
+        dk = torch.zeros((B, Hkv, S, D), device=q.device, dtype=torch.float32)
+        dv = torch.zeros((B, Hkv, S, D), device=q.device, dtype=torch.float32)
     else:  # float32 partials per query head
         dk = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
         dv = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
-    launch_backward(module, plan, q, k, v, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic)
+    launch_backward(module, plan, q, k, v, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic,
+                    Hq // Hkv if grouped and partials else 1)
     torch.cuda.synchronize()
-    if partials:
+    if partials and not grouped:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
         dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2)
     return dq_accum, dk.float(), dv.float()
@@ -184,7 +190,7 @@ def _max_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, deterministic, name, tile=None, family="sm80",
-                bits=None, options=None):
+                bits=None, options=None, grouped=False):
     module = _module(rules, head_dim, dtype, tile, family, options)
     assert module.HAS_BACKWARD and module.BACKWARD_PROBLEM is None
     layouts = [omnigen.Layout.parse(t) for t in layout_texts]
@@ -203,7 +209,7 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
     torch.testing.assert_close(delta, expected_delta, rtol=1e-4, atol=1e-4)
 
     dq, dk, dv = run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic=deterministic,
-                              strided_out=strided)
+                              strided_out=strided, grouped=grouped)
     for label, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(grad).any(), f"the backward left NaN (unwritten or computed) in {label}"
 
@@ -226,6 +232,7 @@ def _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided, determin
         assert error <= 2 * torch_error + floor, (
             f"{name} d{head_dim} {dtype}: {label} error {error:.3e} > 2 x torch's {torch_error:.3e} + {floor:.2e}")
     mode = ("deterministic" if deterministic else "atomic") + (f", bits for {bits}" if bits else "")
+    mode += ", groups added in the kernel" if grouped else ""
     print(f"{name} d{head_dim} {dtype} {family} {module.CONFIG['block_m']}x{module.CONFIG['block_n']} {mode}: " + ", ".join(report))
     return dq, dk, dv
 
@@ -246,6 +253,20 @@ def test_backward_matches_reference(built_variants, case, head_dim, dtype, famil
         pytest.skip("the mixed rules are built for one variant only")
     _check_case(rules, layout_texts, Hq, Hkv, head_dim, dtype, strided=name == "pad_docs_strided",
                 deterministic=False, name=name, family=family)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] != c[4]], ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_gqa_groups_added_in_the_kernel(built_variants, case, head_dim):
+    """GQA in atomic mode as the op runs it on a GROUP_DKDV module: each query head's dK/dV added by the kernel into
+    its group's float32 rows (groups of 2 and 4), against the float64 reference."""
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    assert _module(rules, head_dim, "bf16", None, "sm90", None).GROUP_DKDV
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=False, name=name,
+                family="sm90", grouped=True)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000")],

@@ -220,16 +220,22 @@ def test_ordered_dq_is_deterministic_modes_own_kernel_instance(ordered):
     assert not resources.Resources(hopper(256)).hopper_ordered_dq
 
 
-def test_gqa_dk_dv_are_per_query_head_partials():
-    """GQA in the Hopper backward: one CTA per query head, dK/dV as fp32 partials the caller sums (summing a group
-    in the kernel measured slower: RESULTS.md, "Kernel options removed (issue 27)"); the binding refuses
-    dkdv_per_kv_head."""
+def test_gqa_dk_dv_are_added_per_group_or_written_per_query_head():
+    """GQA in the Hopper backward: one CTA per query head (a CTA walking its group's heads measured slower: RESULTS.md,
+    "Kernel options removed (issue 27)"). In atomic mode each head's dK/dV are added into its group's fp32 rows
+    (dkdv_group, GROUP_DKDV), by a shift (groups of a power of two: a division spilled at d128); else fp32 partials
+    per query head that the caller sums."""
     config = hopper(128)
     sources = codegen.render(RULES, config)
     names = codegen.source_names(RULES, config)
     backward, binding = sources[names["backward"]], sources[names["binding"]]
-    assert "const bool partials = args.heads_q != args.heads_kv;" in backward and "dkdv_group" not in backward
-    assert "GQA_IN_KERNEL" not in binding and "dkdv_per_kv_head" not in binding  # no kernel sums a group itself
+    assert "const bool partials = args.heads_q != args.heads_kv;" in backward
+    assert "head >> (31 - __clz(group))" in backward and "omnigen::atomic_add_pair(static_cast<float*>(args.dk)" in backward
+    assert "constexpr bool kGroupDkdv = true;" in binding and 'm.attr("GROUP_DKDV") = kGroupDkdv;' in binding
+    assert "(dkdv_group & (dkdv_group - 1)) == 0" in binding  # powers of two only, atomic mode only
+    sm80 = KernelConfig(128, "bf16", "sm_80", TileConfig(128, 64, 4, 2))
+    sm80_binding = codegen.render(RULES, sm80)[codegen.source_names(RULES, sm80)["binding"]]
+    assert "constexpr bool kGroupDkdv = false;" in sm80_binding
 
 
 def test_an_untuned_kernel_trains_with_the_hopper_backward_where_it_can():

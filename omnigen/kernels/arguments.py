@@ -216,8 +216,10 @@ BACKWARD = LaunchStruct(
                 "bwd_q) and\none zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise."),
         _table("dq_rank", "", binding="keyword", nullable=True),
         _table("dq_semaphore", "", ctype="int32_t*", binding="keyword", nullable=True),
-        Field("dkdv_group", "int", "1: dK/dV per query head (no kernel sums a group's heads itself)",
-              binding="derived"),
+        Comment("GQA's dK/dV: 0 or 1, float32 per query head (the caller sums each group); heads_q / heads_kv (a "
+                "power of two):\nadded by the Hopper backward into float32 [batch, heads_kv, seq_len, head_dim] "
+                "(GROUP_DKDV modules, atomic mode)."),
+        Field("dkdv_group", "int", "", binding="keyword"),
         Comment("The Hopper backward's partial steps: the mask's bits of the backward schedule (omnigen.plan.bits, "
                 "transposed\ntiles), the slot of each kv-tile column's first partial entry "
                 "[batch * num_kv_tiles + 1]. 0 slots: none."),

@@ -140,7 +140,8 @@ class KernelFamily(ABC):
             has_backward, backward_problem = bool(context["backward_supported"]), context["backward_problem"] or None
         return launch.VariantTraits(has_backward=has_backward, backward_problem=backward_problem,
                                     persistent_forward=bool(context["persistent"]),
-                                    partial_bits=bool(context["partial_bits"]), ordered_dq=bool(context["ordered_dq"]))
+                                    partial_bits=bool(context["partial_bits"]), ordered_dq=bool(context["ordered_dq"]),
+                                    group_dkdv=bool(context["group_dkdv"]))
 
     # ---- launching a built module (inputs already checked by the op): the shared binding's arguments
 

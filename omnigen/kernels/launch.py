@@ -20,13 +20,14 @@ from .arguments import BACKWARD, DELTA, FORWARD, call_arguments
 class VariantTraits:
     """What a variant's module does besides the launches every module has. Its family states them when the variant
     is rendered (`KernelFamily.traits`), the binding exports them as the module's attributes (HAS_BACKWARD,
-    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ), and `capabilities` reads them back."""
+    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV), and `capabilities` reads them back."""
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
     persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
     partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
     ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
+    group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Capabilities:
     persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
     partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
     ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
+    group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
     launch_abi: int | None  # omnigen/launch_abi.h's kLaunchAbi; None: a module without native launches
     forward_launch: int  # the launch functions' addresses, for the op shim (omnigen/op/native/)
     backward_launch: int
@@ -61,7 +63,7 @@ def capabilities(module: Any) -> Capabilities:
             has_backward=bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))),
             backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
             persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
-            ordered_dq=flag("ORDERED_DQ"))
+            ordered_dq=flag("ORDERED_DQ"), group_dkdv=flag("GROUP_DKDV"))
         found = Capabilities(
             **asdict(traits),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
@@ -159,16 +161,17 @@ def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: tor
 
 def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                     d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, scale: float, deterministic: bool) -> None:
+                    dv: torch.Tensor, scale: float, deterministic: bool, dkdv_group: int = 1) -> None:
     """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed (unless deterministic on a module
-    without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or under GQA float32 per
-    query head [B, Hq, S, D] (the caller sums each group)."""
+    without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or under GQA float32: per
+    query head [B, Hq, S, D] (dkdv_group 1: the caller sums each group), or [B, Hkv, S, D] zeroed, the groups added
+    by the kernel (dkdv_group = Hq / Hkv: GROUP_DKDV modules, atomic mode)."""
     B, Hq, S, _ = q.shape
     values = {**_tensor_values(q=q, k=k, v=v, d_o=d_out, dk=dk, dv=dv), "lse": lse.data_ptr(),
               "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(), **_sizes(q, k), "scale": scale,
               **_tables(p), "bwd_ptr": p.bwd_ptr.data_ptr(), "bwd_q": p.bwd_q.data_ptr(),
               "deterministic": deterministic}
-    keywords: dict[str, Any] = {}
+    keywords: dict[str, Any] = {"dkdv_group": dkdv_group} if dkdv_group > 1 else {}
     if deterministic and capabilities(module).ordered_dq:  # the order of the dQ additions, per 64-row block
         # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
         ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
@@ -191,7 +194,7 @@ def forward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch
 def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, d_out: torch.Tensor, scale: float,
                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of a built module -- Delta, dQ/dK/dV kernels, the GQA sums: (dq, dk, dv).
+    """The backward of a built module -- Delta, dQ/dK/dV kernels, GQA's groups summed: (dq, dk, dv).
 
     `p` must be planned with this module's block_m x block_n; out/lse may come from any forward
     (they do not depend on the tile), which is what lets the forward and backward tiles differ."""
@@ -203,14 +206,23 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     launch_delta(module, out, d_out, delta)
     dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
     partials = Hq != Hkv
+    # GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
+    # two), else writes fp32 per query head and the groups are summed here (deterministic: a fixed order)
+    group = Hq // Hkv
+    grouped = partials and not deterministic and capabilities(module).group_dkdv and group & (group - 1) == 0
     dk, dv = (heads_inner(B, Hkv, S, D, dtype=t.dtype, device=q.device) for t in (k, v))
     if not partials:
         dk_kernel, dv_kernel = dk, dv
-    else:  # per q-head partial dK/dV, summed over each group of q heads below
-        dk_kernel = torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)
-        dv_kernel = torch.empty_like(dk_kernel)
-    launch_backward(module, p, q, k, v, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic)
-    if partials:
+    else:
+        make = torch.zeros if grouped else torch.empty  # the kernel adds into the grouped buffers
+        dk_kernel, dv_kernel = (make(B, Hkv if grouped else Hq, S, D, dtype=torch.float32, device=q.device)
+                                for _ in range(2))
+    launch_backward(module, p, q, k, v, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic,
+                    group if grouped else 1)
+    if grouped:
+        dk.copy_(dk_kernel)
+        dv.copy_(dv_kernel)
+    elif partials:
         dk.copy_(dk_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
         dv.copy_(dv_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
     return heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device).copy_(dq_accum), dk, dv

@@ -44,7 +44,7 @@ class Sm80Family(KernelFamily):
             "backward_supported": not backward_problems,
             "mma_backward_problem": problem,
             "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
-            "grouped_heads": False,  # GQA: dK/dV partials per query head, summed by the caller
+            "group_dkdv": False,  # GQA: dK/dV partials per query head, summed by the caller
             "persistent": False,  # the forward: one CTA per tile (the sm90 family's may loop over tiles)
             "partial_bits": False,  # partial tiles: the rules evaluated in the kernel (but see rules_context)
             "backward_problem": problem,

@@ -96,7 +96,8 @@ class Sm90Family(KernelFamily):
             "early_scores": o.early_scores,
             "dq_writer": r.hopper_dq_writer,
             "dq_in_turns": r.hopper_dq_in_turns,
-            "grouped_heads": False,  # the binding's GQA_IN_KERNEL: dK/dV partials per query head, summed by the caller
+            # GQA in atomic mode: each query head adds its dK/dV into its group's fp32 rows (the binding's GROUP_DKDV)
+            "group_dkdv": not problems,
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": r.hopper_stages,
             "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,

@@ -37,7 +37,7 @@ enum Schedule : int64_t {
 };
 
 // What a module reads besides the arguments every launch takes (omnigen/op/native/__init__.py: PERSISTENT_FORWARD...).
-enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4 };
+enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8 };
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
 // flags, launch ABI].
@@ -232,11 +232,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   raise_unless_ok(choice.delta(delta_args, stream, message, sizeof message), message);
 
   const bool ordered = deterministic && (choice.flags & kOrderedDq);
-  const bool partials = Hq != Hkv;  // dK/dV per query head in fp32, summed over each group below
+  const bool partials = Hq != Hkv;
+  // GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
+  // two), else writes fp32 per query head and the groups are summed below (deterministic: a fixed order). As
+  // omnigen/kernels/launch.py.
+  const int64_t group = partials ? Hq / Hkv : 1;
+  const bool grouped = partials && !deterministic && (choice.flags & kGroupDkdv) && (group & (group - 1)) == 0;
   at::Tensor dq_accum = at::zeros({B, Hq, S, D}, f32);
   at::Tensor dk = heads_inner(B, Hkv, S, D, k.options()), dv = heads_inner(B, Hkv, S, D, v.options());
-  const at::Tensor dk_kernel = partials ? at::empty({B, Hq, S, D}, f32) : dk;
-  const at::Tensor dv_kernel = partials ? at::empty({B, Hq, S, D}, f32) : dv;
+  const at::Tensor dk_kernel = grouped ? at::zeros({B, Hkv, S, D}, f32) : partials ? at::empty({B, Hq, S, D}, f32) : dk;
+  const at::Tensor dv_kernel = grouped ? at::zeros({B, Hkv, S, D}, f32) : partials ? at::empty({B, Hq, S, D}, f32) : dv;
 
   omnigen::BackwardArgs args{};
   set_shared(args, q, k, v, plan, token_segment, token_modality, token_doc, scale, choice.block_m);
@@ -253,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   args.bwd_ptr = address<int32_t>(plan[kBwdPtr]);
   args.bwd_q = address<int32_t>(plan[kBwdQ]);
   args.deterministic = deterministic ? 1 : 0;
-  args.dkdv_group = 1;
+  args.dkdv_group = grouped ? int(group) : 1;
   // Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
   at::Tensor ranks, counters;
   if (ordered) {
@@ -267,7 +272,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                    ((choice.block_m + 127) / 128) * choice.block_n * 4);
   raise_unless_ok(choice.backward(args, stream, message, sizeof message), message);
 
-  if (partials) {
+  if (grouped) {
+    dk.copy_(dk_kernel);
+    dv.copy_(dv_kernel);
+  } else if (partials) {
     dk.copy_(dk_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
     dv.copy_(dv_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
   }

@@ -41,7 +41,9 @@ struct BackwardArgs {
   // one zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise.
   const int32_t* dq_rank;
   int32_t* dq_semaphore;
-  int dkdv_group;                 // 1: dK/dV per query head (no kernel sums a group's heads itself)
+  // GQA's dK/dV: 0 or 1, float32 per query head (the caller sums each group); heads_q / heads_kv (a power of two):
+  // added by the Hopper backward into float32 [batch, heads_kv, seq_len, head_dim] (GROUP_DKDV modules, atomic mode).
+  int dkdv_group;
   // The Hopper backward's partial steps: the mask's bits of the backward schedule (omnigen.plan.bits, transposed
   // tiles), the slot of each kv-tile column's first partial entry [batch * num_kv_tiles + 1]. 0 slots: none.
   const int32_t* partial_slot;
