@@ -109,11 +109,11 @@ def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int 
               heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None, heads_kv: int = 0,
               dtype: str = "bf16") -> list[Workload]:
     """The rules' synthetic layouts per S in `sizes`, or the user's layouts grouped by length bucket."""
+    check_heads(heads, heads_kv, dtype)
     if layouts:
         groups = [LayoutBatch(group) for group in tune_layouts.bucket_user_layouts(layouts, tokens).values()]
     else:
         groups = [LayoutBatch(tune_layouts.synthetic_batch(rules, S, tokens, seed)) for S in sizes]
-    check_heads(heads, heads_kv, dtype)
     return [Workload(rules, group, dim, heads, heads_kv, dtype) for dim in dims for group in groups]
 
 
@@ -154,10 +154,10 @@ def random_inputs(B: int, heads: int, S: int, dim: int, seed: int, heads_kv: int
     """q (requiring grad) [B, heads, S, dim], k and v (requiring grad) [B, heads_kv or heads, S, dim] and dO like q,
     in `dtype` (DTYPES), never zeros, from a seeded CUDA generator."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    kinds = DTYPES[dtype]
-    q, k, v = (torch.randn(B, h, S, dim, device="cuda", dtype=kinds, generator=gen).requires_grad_()
+    element = DTYPES[dtype]
+    q, k, v = (torch.randn(B, h, S, dim, device="cuda", dtype=element, generator=gen).requires_grad_()
                for h in (heads, heads_kv or heads, heads_kv or heads))
-    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=kinds, generator=gen)
+    return q, k, v, torch.randn(B, heads, S, dim, device="cuda", dtype=element, generator=gen)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -553,7 +553,7 @@ def run(rules: Rules, *, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = D
     """Every workload of the rules against every peer (see the module docstring); `heads_kv` key/value heads (0:
     `heads`; fewer: grouped-query attention, SDPA's and FlexAttention's enable_gqa), inputs in `dtype` ("bf16",
     "fp16"). Raises NoGPU without CUDA."""
-    shapes = workloads(rules, dims, sizes, tokens, heads, seed, layouts, heads_kv, dtype)  # bad input fails first
+    check_heads(heads, heads_kv, dtype)  # bad input fails before the GPU check
     if not torch.cuda.is_available():
         raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape
@@ -561,7 +561,7 @@ def run(rules: Rules, *, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = D
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rules": rules.name, "tokens": tokens,
         "heads": heads, "heads_kv": heads_kv or heads, "dtype": dtype, "seed": seed, "settle_ms": settle_ms,
     })
-    for work in shapes:
+    for work in workloads(rules, dims, sizes, tokens, heads, seed, layouts, heads_kv, dtype):
         rows, skipped = measure(work, seed=seed, rounds=rounds, reps=reps, only=only, on_step=on_step,
                                 settle_ms=settle_ms)
         result.rows += rows
