@@ -29,7 +29,7 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import spill_allowance
 from omnigen.jit import cache
-from omnigen.kernels.launch import launch_backward, launch_delta, launch_forward
+from omnigen.kernels.launch import convert_gradient, heads_inner, launch_backward, launch_delta, launch_forward
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.kernels.sm90 import resources as sm90_resources
@@ -620,6 +620,34 @@ def test_backward_rejects_bad_arguments(built_variants):
     assert not wide.HAS_BACKWARD and "head_dim 256" in wide.BACKWARD_PROBLEM
     with pytest.raises(NotImplementedError, match="no backward kernel"):
         wide.backward(**good)
+
+
+@pytest.mark.parametrize("head_dim,dtype,family", [(64, "bf16", "sm90"), (128, "fp16", "sm90"), (128, "bf16", "sm80"),
+                                                   (256, "bf16", "sm80")])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_passes_around_the_backward_zero_dq_and_round_like_torch(built_variants, head_dim, dtype, family):
+    """The Delta pass also zeroes the fp32 dQ (poisoned with NaN first), and the conversion writes a float32
+    gradient into the element type exactly as torch's `.to` rounds it, through [B, S, H, D] storage strides."""
+    _skip_unless_family_runs(family)
+    module = _module(TRANSFUSION, head_dim, dtype, None, family)
+    B, H, S = 2, 3, 77  # rows and chunks not a multiple of a block's threads
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    o, d_o = (torch.randn(B, S, H, head_dim, device="cuda", generator=gen).to(DTYPES[dtype]).transpose(1, 2)
+              for _ in range(2))
+    delta = torch.full((B, H, S), float("nan"), device="cuda")
+    dq_accum = torch.full((B, H, S, head_dim), float("nan"), device="cuda")
+    launch_delta(module, o, d_o, delta, dq_accum)
+    torch.cuda.synchronize()
+    assert torch.equal(dq_accum, torch.zeros_like(dq_accum)), "the Delta pass left dq_accum unzeroed"
+    torch.testing.assert_close(delta, (o.float() * d_o.float()).sum(-1), rtol=1e-4, atol=1e-4)
+
+    source = torch.randn(B, H, S, head_dim, device="cuda", generator=gen) * 3
+    source[0, 0, 0, :4] = torch.tensor([1 + 2.0**-9, 65504.0, -0.0, 1e-30])  # a tie, fp16's largest, -0, a tiny one
+    destination = heads_inner(B, H, S, head_dim, dtype=DTYPES[dtype], device=torch.device("cuda")).fill_(float("nan"))
+    assert convert_gradient(module, source, destination) is destination
+    torch.cuda.synchronize()
+    assert torch.equal(destination, source.to(DTYPES[dtype])), "the conversion differs from torch's rounding"
 
 
 def _timed(fn):

@@ -251,5 +251,6 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
                                 .render(kernel_context),
         names["binding"]: env.get_template("binding.cpp.j2").render(dict(
             context, header=_header(rules, config, module), args=arguments, launch_structs=arguments.STRUCTS,
-            forward_struct=arguments.FORWARD, backward_struct=arguments.BACKWARD, delta_struct=arguments.DELTA)),
+            forward_struct=arguments.FORWARD, backward_struct=arguments.BACKWARD, delta_struct=arguments.DELTA,
+            convert_struct=arguments.CONVERT)),
     }

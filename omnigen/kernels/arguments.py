@@ -1,7 +1,7 @@
 """The kernels' launch arguments, described once.
 
-Three C structs carry a launch's arguments into the generated kernel files: ForwardArgs, BackwardArgs and
-DeltaArgs (`omnigen/forward_args.h`, `omnigen/backward_args.h` under kernels/common/include). Everything that
+Four C structs carry a launch's arguments into the generated kernel files: ForwardArgs, BackwardArgs, DeltaArgs
+and ConvertArgs (`omnigen/forward_args.h`, `omnigen/backward_args.h` under kernels/common/include). Everything that
 names their fields is made from the descriptions below:
 
 - the headers themselves (`python -m omnigen.kernels.arguments --write` rewrites them; tests/test_arguments.py
@@ -229,17 +229,30 @@ BACKWARD = LaunchStruct(
 
 DELTA = LaunchStruct(
     name="DeltaArgs", function="backward_delta", launch="backward_delta_launch",
-    comment="rowsum(dO * O) per query row, the Delta the backward reads.",
+    comment="rowsum(dO * O) per query row, the Delta the backward reads; and the fp32 dQ zeroed in the same pass.",
     members=(
         _tensor("o", "const void*", "[batch, heads_q, seq_len, head_dim]"),
         _tensor("d_o", "const void*", "[batch, heads_q, seq_len, head_dim]"),
         _tensor("delta", "float*", "[batch, heads_q, seq_len], float32, contiguous", align=4),
         Strides("o"), Strides("d_o"),
         Field("batch", "int"), Field("heads_q", "int"), Field("seq_len", "int"),
+        _tensor("dq_accum", "float*", "null, or the backward's [batch, heads_q, seq_len, head_dim] float32 to zero",
+                nullable=True, binding="keyword"),
     ),
 )
 
-STRUCTS = (FORWARD, BACKWARD, DELTA)
+CONVERT = LaunchStruct(
+    name="ConvertArgs", function="backward_convert", launch="backward_convert_launch",
+    comment="A gradient accumulated in float32 (dQ, GQA's grouped dK/dV) written out in the element type.",
+    members=(
+        _tensor("source", "const float*", "[batch, heads, seq_len, head_dim], float32, contiguous"),
+        _tensor("destination", "void*", "[batch, heads, seq_len, head_dim], the element type, last dim contiguous"),
+        Strides("destination"),
+        Field("batch", "int"), Field("heads", "int"), Field("seq_len", "int"),
+    ),
+)
+
+STRUCTS = (FORWARD, BACKWARD, DELTA, CONVERT)
 
 
 def call_arguments(struct: LaunchStruct, values: Mapping[str, Any], stream: int) -> tuple[Any, ...]:
@@ -395,6 +408,7 @@ _BACKWARD_TAIL = """
 // Implemented by the generated backward kernel file; same conventions as forward_launch.
 int backward_launch(const BackwardArgs& args, uintptr_t stream, char* message, int message_size);
 int backward_delta_launch(const DeltaArgs& args, uintptr_t stream, char* message, int message_size);
+int backward_convert_launch(const ConvertArgs& args, uintptr_t stream, char* message, int message_size);
 
 }  // namespace omnigen
 """
@@ -404,7 +418,7 @@ def headers() -> dict[str, str]:
     """File name (under kernels/common/include/omnigen) -> the header text the descriptions give."""
     forward = "\n".join([_HEADER_TOP.format(what="the forward kernel's arguments"), *_struct_text(FORWARD)])
     backward = "\n".join([_HEADER_TOP.format(what="the backward kernels' arguments"), *_struct_text(BACKWARD), "",
-                          *_struct_text(DELTA)])
+                          *_struct_text(DELTA), "", *_struct_text(CONVERT)])
     return {"forward_args.h": forward + "\n" + _FORWARD_TAIL, "backward_args.h": backward + "\n" + _BACKWARD_TAIL}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .arguments import BACKWARD, DELTA, FORWARD, call_arguments
+from .arguments import BACKWARD, CONVERT, DELTA, FORWARD, call_arguments
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Capabilities:
     forward_launch: int  # the launch functions' addresses, for the op shim (omnigen/op/native/)
     backward_launch: int
     delta_launch: int
+    convert_launch: int  # 0: a module built before the conversion was its own (the caller copies instead)
 
 
 _capabilities: dict[str, Capabilities] = {}  # by MODULE_NAME: an extension module is loaded once per process
@@ -68,7 +69,8 @@ def capabilities(module: Any) -> Capabilities:
             **asdict(traits),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
             backward_launch=int(getattr(module, "BACKWARD_LAUNCH", 0)),
-            delta_launch=int(getattr(module, "DELTA_LAUNCH", 0)))
+            delta_launch=int(getattr(module, "DELTA_LAUNCH", 0)),
+            convert_launch=int(getattr(module, "CONVERT_LAUNCH", 0)))
         if name:
             _capabilities[name] = found
     return found
@@ -152,11 +154,26 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     module.forward(*call_arguments(FORWARD, values, _stream()), **keywords)
 
 
-def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> None:
-    """Delta = rowsum(dO * O) into `delta` [B, Hq, S] float32."""
+def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor,
+                 dq_accum: torch.Tensor | None = None) -> None:
+    """Delta = rowsum(dO * O) into `delta` [B, Hq, S] float32; `dq_accum` (float32 [B, Hq, S, D], contiguous), if
+    given, zeroed in the same pass."""
     B, Hq, S, _ = out.shape
     values = {**_tensor_values(o=out, d_o=d_out), "delta": delta.data_ptr(), "batch": B, "heads_q": Hq, "seq_len": S}
-    module.backward_delta(*call_arguments(DELTA, values, _stream()))
+    keywords = {"dq_accum": dq_accum.data_ptr()} if dq_accum is not None else {}
+    module.backward_delta(*call_arguments(DELTA, values, _stream()), **keywords)
+
+
+def convert_gradient(module: Any, source: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
+    """`destination` (the element type, [B, H, S, D], last dim contiguous) = `source` (float32, contiguous) by the
+    module's own pass (a plain copy for modules built without one)."""
+    if not capabilities(module).convert_launch:
+        return destination.copy_(source)
+    B, H, S, _ = source.shape
+    values = {"source": source.data_ptr(), "destination": destination.data_ptr(),
+              "destination_strides": destination.stride(), "batch": B, "heads": H, "seq_len": S}
+    module.backward_convert(*call_arguments(CONVERT, values, _stream()))
+    return destination
 
 
 def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
@@ -203,8 +220,10 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     d_out = kernel_ready(d_out)
     lse = lse.contiguous()  # the kernels index it as [B, Hq, S] with no strides (a slice of a longer one is not)
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
-    launch_delta(module, out, d_out, delta)
-    dq_accum = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    # Modules with their own conversion pass (CONVERT_LAUNCH) also zero the fp32 dQ in the Delta pass.
+    own_passes = bool(capabilities(module).convert_launch)
+    dq_accum = (torch.empty if own_passes else torch.zeros)(B, Hq, S, D, dtype=torch.float32, device=q.device)
+    launch_delta(module, out, d_out, delta, dq_accum if own_passes else None)
     partials = Hq != Hkv
     # GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
     # two), else writes fp32 per query head and the groups are summed here (deterministic: a fixed order)
@@ -220,9 +239,9 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     launch_backward(module, p, q, k, v, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic,
                     group if grouped else 1)
     if grouped:
-        dk.copy_(dk_kernel)
-        dv.copy_(dv_kernel)
+        convert_gradient(module, dk_kernel, dk)
+        convert_gradient(module, dv_kernel, dv)
     elif partials:
         dk.copy_(dk_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
         dv.copy_(dv_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
-    return heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device).copy_(dq_accum), dk, dv
+    return convert_gradient(module, dq_accum, heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device)), dk, dv

@@ -33,11 +33,12 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, out, lse, token_segment, token_modality, token_doc, *schedules)
     ctx.tiles, ctx.kernel, ctx.scale, ctx.deterministic = list(tiles), kernel, scale, deterministic
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse has no gradient: no zeros made for it (a fill launch every backward)
 
 
 def _gradients(ctx, d_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, out, lse, token_segment, token_modality, token_doc, *schedules = ctx.saved_tensors
-    if d_out is None:  # pragma: no cover - autograd materialises zeros by default
+    if d_out is None:  # the output was not used (grads are not materialised)
         d_out = torch.zeros_like(out)
     return _ATTENTION_BACKWARD(d_out, q, k, v, out, lse, schedules, ctx.tiles, token_segment, token_modality,
                                token_doc, ctx.kernel, ctx.scale, ctx.deterministic)

@@ -54,20 +54,21 @@ _callbacks.define("_dq_ranks(Tensor fwd_ptr, Tensor fwd_kv, Tensor bwd_ptr, Tens
 
 def launch_choice(kernel: str, q: torch.Tensor, backward: bool) -> torch.Tensor:
     """What the shim runs for a call: int64 [block_m, block_n, forward, backward, delta launch addresses, flags,
-    launch ABI] of the module the kernel key picks for q's sequence length, head dim, dtype and device."""
+    launch ABI, convert launch address] of the module the kernel key picks for q's sequence length, head dim, dtype
+    and device."""
     config, module = library.pass_module(kernel, q, backward)
     caps = capabilities(module)
     if caps.launch_abi is None:
         raise RuntimeError(f"{getattr(module, 'MODULE_NAME', module)} exports no native launches: it was built by an "
                            "older omnigen; clear the kernel cache (omnigen cache clear) to rebuild it")
     launch = caps.backward_launch if backward else caps.forward_launch
-    if not launch or (backward and not caps.delta_launch):
+    if not launch or (backward and not (caps.delta_launch and caps.convert_launch)):
         raise RuntimeError(f"{getattr(module, 'MODULE_NAME', module)} exports no {'backward' if backward else 'forward'} "
                            "launch for the op shim; clear the kernel cache (omnigen cache clear) to rebuild it")
     flags = (PERSISTENT_FORWARD * caps.persistent_forward | PARTIAL_BITS * caps.partial_bits
              | ORDERED_DQ * caps.ordered_dq | GROUP_DKDV * caps.group_dkdv)
     return torch.tensor([config.tile.block_m, config.tile.block_n, caps.forward_launch, caps.backward_launch,
-                         caps.delta_launch, flags, caps.launch_abi], dtype=torch.int64)
+                         caps.delta_launch, flags, caps.launch_abi, caps.convert_launch], dtype=torch.int64)
 
 
 _callbacks.impl("_launch_choice", launch_choice, "CompositeExplicitAutograd")

@@ -40,15 +40,16 @@ enum Schedule : int64_t {
 enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8 };
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
-// flags, launch ABI].
+// flags, launch ABI, convert].
 struct LaunchChoice {
   int64_t block_m = 0, block_n = 0;
   omnigen::ForwardLaunch forward = nullptr;
   omnigen::BackwardLaunch backward = nullptr;
   omnigen::DeltaLaunch delta = nullptr;
+  omnigen::ConvertLaunch convert = nullptr;
   int64_t flags = 0;
 };
-constexpr int64_t kChoiceFields = 7;
+constexpr int64_t kChoiceFields = 8;
 
 std::mutex choices_mutex;
 std::unordered_map<std::string, LaunchChoice> choices;
@@ -78,6 +79,7 @@ LaunchChoice launch_choice(c10::string_view kernel, const at::Tensor& q, bool ba
   choice.forward = reinterpret_cast<omnigen::ForwardLaunch>(static_cast<uintptr_t>(f[2]));
   choice.backward = reinterpret_cast<omnigen::BackwardLaunch>(static_cast<uintptr_t>(f[3]));
   choice.delta = reinterpret_cast<omnigen::DeltaLaunch>(static_cast<uintptr_t>(f[4]));
+  choice.convert = reinterpret_cast<omnigen::ConvertLaunch>(static_cast<uintptr_t>(f[7]));
   choice.flags = f[5];  // (the launch addresses are non-zero: Python's launch_choice refuses a module without them)
   std::lock_guard<std::mutex> lock(choices_mutex);
   choices[key] = choice;
@@ -223,12 +225,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   char message[1024] = {0};
 
   at::Tensor delta = at::empty({B, Hq, S}, f32);  // dO . O per row
+  at::Tensor dq_accum = at::empty({B, Hq, S, D}, f32);  // zeroed by the Delta pass
   omnigen::DeltaArgs delta_args{};
   delta_args.o = out.data_ptr(), delta_args.d_o = d_out.data_ptr(), delta_args.delta = delta.data_ptr<float>();
   delta_args.o_stride_b = out.stride(0), delta_args.o_stride_h = out.stride(1), delta_args.o_stride_s = out.stride(2);
   delta_args.d_o_stride_b = d_out.stride(0), delta_args.d_o_stride_h = d_out.stride(1);
   delta_args.d_o_stride_s = d_out.stride(2);
   delta_args.batch = int(B), delta_args.heads_q = int(Hq), delta_args.seq_len = int(S);
+  delta_args.dq_accum = dq_accum.data_ptr<float>();
   raise_unless_ok(choice.delta(delta_args, stream, message, sizeof message), message);
 
   const bool ordered = deterministic && (choice.flags & kOrderedDq);
@@ -238,7 +242,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   // omnigen/kernels/launch.py.
   const int64_t group = partials ? Hq / Hkv : 1;
   const bool grouped = partials && !deterministic && (choice.flags & kGroupDkdv) && (group & (group - 1)) == 0;
-  at::Tensor dq_accum = at::zeros({B, Hq, S, D}, f32);
   at::Tensor dk = heads_inner(B, Hkv, S, D, k.options()), dv = heads_inner(B, Hkv, S, D, v.options());
   const at::Tensor dk_kernel = grouped ? at::zeros({B, Hkv, S, D}, f32) : partials ? at::empty({B, Hq, S, D}, f32) : dk;
   const at::Tensor dv_kernel = grouped ? at::zeros({B, Hkv, S, D}, f32) : partials ? at::empty({B, Hq, S, D}, f32) : dv;
@@ -272,14 +275,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                    ((choice.block_m + 127) / 128) * choice.block_n * 4);
   raise_unless_ok(choice.backward(args, stream, message, sizeof message), message);
 
+  // The fp32 gradients out in the element type, by the module's own pass: copy_'s strided TensorIterator kernel took
+  // 203 us against its 137 for dQ at d128, B x S = 4 x 8K, 16 heads on an H100, and more host time.
+  auto convert = [&](const at::Tensor& source, const at::Tensor& destination) {
+    omnigen::ConvertArgs convert_args{};
+    convert_args.source = source.data_ptr<float>();
+    convert_args.destination = destination.data_ptr();
+    convert_args.destination_stride_b = destination.stride(0), convert_args.destination_stride_h = destination.stride(1);
+    convert_args.destination_stride_s = destination.stride(2);
+    convert_args.batch = int(source.size(0)), convert_args.heads = int(source.size(1));
+    convert_args.seq_len = int(source.size(2));
+    raise_unless_ok(choice.convert(convert_args, stream, message, sizeof message), message);
+  };
   if (grouped) {
-    dk.copy_(dk_kernel);
-    dv.copy_(dv_kernel);
+    convert(dk_kernel, dk);
+    convert(dv_kernel, dv);
   } else if (partials) {
     dk.copy_(dk_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
     dv.copy_(dv_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
   }
-  return {heads_inner(B, Hq, S, D, q.options()).copy_(dq_accum), dk, dv};
+  at::Tensor dq = heads_inner(B, Hq, S, D, q.options());
+  convert(dq_accum, dq);
+  return {dq, dk, dv};
 }
 
 // The op's autograd on CUDA tensors: what omnigen/op/autograd.py registers in Python, here in C++. Saves q, k, v,
@@ -311,6 +328,7 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["deterministic"] = deterministic;
     ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // lse has no gradient: no zeros made for it (a fill launch every backward)
     return {out, lse};
   }
 

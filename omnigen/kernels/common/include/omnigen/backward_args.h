@@ -51,7 +51,7 @@ struct BackwardArgs {
   int partial_slots;
 };
 
-// rowsum(dO * O) per query row, the Delta the backward reads.
+// rowsum(dO * O) per query row, the Delta the backward reads; and the fp32 dQ zeroed in the same pass.
 struct DeltaArgs {
   const void* o;    // [batch, heads_q, seq_len, head_dim]
   const void* d_o;  // [batch, heads_q, seq_len, head_dim]
@@ -59,10 +59,20 @@ struct DeltaArgs {
   int64_t o_stride_b, o_stride_h, o_stride_s;
   int64_t d_o_stride_b, d_o_stride_h, d_o_stride_s;
   int batch, heads_q, seq_len;
+  float* dq_accum;  // null, or the backward's [batch, heads_q, seq_len, head_dim] float32 to zero
+};
+
+// A gradient accumulated in float32 (dQ, GQA's grouped dK/dV) written out in the element type.
+struct ConvertArgs {
+  const float* source;  // [batch, heads, seq_len, head_dim], float32, contiguous
+  void* destination;    // [batch, heads, seq_len, head_dim], the element type, last dim contiguous
+  int64_t destination_stride_b, destination_stride_h, destination_stride_s;
+  int batch, heads, seq_len;
 };
 
 // Implemented by the generated backward kernel file; same conventions as forward_launch.
 int backward_launch(const BackwardArgs& args, uintptr_t stream, char* message, int message_size);
 int backward_delta_launch(const DeltaArgs& args, uintptr_t stream, char* message, int message_size);
+int backward_convert_launch(const ConvertArgs& args, uintptr_t stream, char* message, int message_size);
 
 }  // namespace omnigen

@@ -1,5 +1,6 @@
-// omnigen: the backward's preprocessing step, Delta = rowsum(dO * O) in fp32, the same for every kernel family,
-// and the element type's pairs as floats.
+// omnigen: the backward's passes around its kernels, the same for every kernel family: before them Delta =
+// rowsum(dO * O) in fp32 (zeroing the fp32 dQ in the same pass), after them the fp32 gradients converted to the
+// element type; and the element type's pairs as floats.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -55,6 +56,13 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs ar
 #pragma unroll
   for (int offset = kChunks / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (row < rows && chunk == 0) args.delta[row] = sum;
+  // The backward adds dQ into fp32 rows the caller used to zero with a pass of its own (a launch and, on the host,
+  // an allocation's fill): the same rows, 8 floats a thread, while this pass's reads are in flight.
+  if (args.dq_accum != nullptr && row < rows) {
+    float4* zeros = reinterpret_cast<float4*>(args.dq_accum + row * kHeadDim + chunk * 8);
+    zeros[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    zeros[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 }
 
 // Queues the Delta kernel on `stream`; the launch's error, if any.
@@ -63,6 +71,52 @@ cudaError_t launch_delta(const DeltaArgs& args, cudaStream_t stream) {
   const int64_t threads = int64_t(args.batch) * args.heads_q * args.seq_len * (kHeadDim / 8);
   const int blocks = int((threads + kDeltaThreads - 1) / kDeltaThreads);
   delta_kernel<Element, kHeadDim><<<blocks, kDeltaThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+// Packs two floats as the element type's pair (low, high), rounding to nearest.
+template <typename Element>
+__device__ __forceinline__ uint32_t to_pair(float low, float high) {
+  if constexpr (std::is_same_v<Element, __half>) {
+    const __half2 pair = __floats2half2_rn(low, high);
+    return *reinterpret_cast<const uint32_t*>(&pair);
+  } else {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
+constexpr int kConvertThreads = 256;
+
+// One 16-byte chunk of the destination (8 elements, 32 bytes of fp32 read) a thread; rows of the source are
+// contiguous, the destination's rows sit where its strides put them (the ops return [B, S, H, D] storage).
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kConvertThreads) convert_kernel(const ConvertArgs args) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int64_t index = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
+  const int64_t row = index / kChunks;
+  if (row >= int64_t(args.batch) * args.heads * args.seq_len) return;
+  const int chunk = int(index % kChunks);
+  const int position = int(row % args.seq_len);
+  const int64_t batch_head = row / args.seq_len;
+  const int head = int(batch_head % args.heads), batch = int(batch_head / args.heads);
+  const float4* source = reinterpret_cast<const float4*>(args.source + row * kHeadDim + chunk * 8);
+  const float4 low = __ldcs(source), high = __ldcs(source + 1);  // read once: not kept in L2
+  const uint4 packed = make_uint4(to_pair<Element>(low.x, low.y), to_pair<Element>(low.z, low.w),
+                                  to_pair<Element>(high.x, high.y), to_pair<Element>(high.z, high.w));
+  Element* destination = static_cast<Element*>(args.destination) + batch * args.destination_stride_b +
+                         head * args.destination_stride_h + position * args.destination_stride_s + chunk * 8;
+  *reinterpret_cast<uint4*>(destination) = packed;
+}
+
+// Queues the conversion on `stream`; the launch's error, if any.
+template <typename Element, int kHeadDim>
+cudaError_t launch_convert(const ConvertArgs& args, cudaStream_t stream) {
+  const int64_t threads = int64_t(args.batch) * args.heads * args.seq_len * (kHeadDim / 8);
+  if (threads == 0) return cudaSuccess;
+  const int64_t blocks = (threads + kConvertThreads - 1) / kConvertThreads;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  convert_kernel<Element, kHeadDim><<<unsigned(blocks), kConvertThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

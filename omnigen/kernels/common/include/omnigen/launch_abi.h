@@ -1,8 +1,9 @@
 // omnigen: how native code outside a generated module calls its launches (the op shim, omnigen/op/native/).
 // A module exports the addresses of its launch functions as integers (FORWARD_LAUNCH, BACKWARD_LAUNCH,
-// DELTA_LAUNCH) with LAUNCH_ABI; a caller built from these same headers casts them back to these types.
-// Bump kLaunchAbi whenever ForwardArgs, BackwardArgs, DeltaArgs or these signatures change: the shim refuses
-// modules of another ABI, and they are rebuilt (the headers are part of every module's cache key).
+// DELTA_LAUNCH, CONVERT_LAUNCH) with LAUNCH_ABI; a caller built from these same headers casts them back to
+// these types. Bump kLaunchAbi whenever ForwardArgs, BackwardArgs, DeltaArgs, ConvertArgs or these signatures
+// change: the shim refuses modules of another ABI, and they are rebuilt (the headers are part of every module's
+// cache key).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -13,11 +14,12 @@
 
 namespace omnigen {
 
-constexpr int kLaunchAbi = 1;
+constexpr int kLaunchAbi = 2;
 
 using ForwardLaunch = int (*)(const ForwardArgs&, uintptr_t, char*, int);
 using BackwardLaunch = int (*)(const BackwardArgs&, uintptr_t, char*, int);
 using DeltaLaunch = int (*)(const DeltaArgs&, uintptr_t, char*, int);
+using ConvertLaunch = int (*)(const ConvertArgs&, uintptr_t, char*, int);
 
 // What a launch's sizes must satisfy (grid dimensions, GQA, the scale): an empty string, or the sentence to raise.
 inline std::string size_problem(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_len, int block_m,
