@@ -63,7 +63,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", type=parse_variant, default=[parse_variant("sm80:128x64w4")])
     parser.add_argument("--dims", nargs="+", type=int, default=[128])
     parser.add_argument("--sizes", nargs="+", type=int, default=[8192, 32768])
-    parser.add_argument("--rules", choices=tuple(RULES), nargs="+", default=list(RULES))
+    parser.add_argument("--rules", choices=tuple(RULES), nargs="+", default=["transfusion", "causal"],
+                        help="full: one image a sequence, every pair allowed (no causal or partial tile)")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--persistent", choices=("default", "on", "off", "both"), default="default",

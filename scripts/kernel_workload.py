@@ -2,7 +2,8 @@
 Layout, Rules), so that one script times any source tree the same way (PYTHONPATH=tree).
 
 Workload as in docs/measuring.md: B * S = tokens, Transfusion-style layouts (text runs of 16-512 tokens,
-images of 256 or 1024) or one causal text run per sequence, bf16 inputs from a seeded generator.
+images of 256 or 1024), one causal text run per sequence, or one image (every pair allowed); bf16 inputs
+from a seeded generator.
 Timer: triton.testing.do_bench's median (warm-up 25 ms, 100 ms of runs), as the earlier runs used.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ import omnigen
 
 TRANSFUSION = omnigen.Rules(name="transfusion", modalities={"text": "causal", "image": "full"})
 CAUSAL = omnigen.Rules(name="causal", modalities={"text": "causal"})
-RULES = {"transfusion": TRANSFUSION, "causal": CAUSAL}  # by the scripts' --rules names
+FULL = omnigen.Rules(name="full", modalities={"image": "full"})  # every pair allowed: full tiles only
+RULES = {"transfusion": TRANSFUSION, "causal": CAUSAL, "full": FULL}  # by the scripts' --rules names
 
 
 def transfusion_layout(seq_len: int, rng: random.Random) -> omnigen.Layout:
@@ -33,10 +35,12 @@ def transfusion_layout(seq_len: int, rng: random.Random) -> omnigen.Layout:
 
 
 def standard_batch(rules: omnigen.Rules, S: int, tokens: int, seed: int) -> tuple[int, omnigen.LayoutBatch]:
-    """(B, layouts): B = tokens // S sequences, each its own Transfusion layout, or one causal text run."""
+    """(B, layouts): B = tokens // S sequences, each its own Transfusion layout, or one causal text run (one image
+    under the full rules)."""
     rng = random.Random(seed)
     B = max(1, tokens // S)
-    make = transfusion_layout if rules is TRANSFUSION else (lambda n, _: omnigen.Layout.from_segments([("text", n)]))
+    modality = "image" if rules is FULL else "text"
+    make = transfusion_layout if rules is TRANSFUSION else (lambda n, _: omnigen.Layout.from_segments([(modality, n)]))
     return B, omnigen.Layout.batch([make(S, rng) for _ in range(B)])
 
 

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_NAME = re.compile(r"(hopper_dkdv_kernel|forward_kernel|dkdv_kernel|dq_kernel|delta_kernel)")
+KERNEL_NAME = re.compile(r"(hopper_dkdv_kernel|forward_kernel|dkdv_kernel|dq_kernel|delta_kernel|convert_kernel)")
 INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*(/\*\s*0x[0-9a-f]+\s*\*/)?\s*$")
 
 
