@@ -225,3 +225,61 @@ def test_the_backward_adds_gqa_groups_in_the_kernel_only_where_it_can(monkeypatc
     assert run(Module(True), 6, 2) == (1, 6)  # a group of 3: summed here
     assert run(Module(False), 8, 2) == (1, 8)
     assert run(Module(True), 4, 4) == (1, 4)  # no GQA: the real dk, [B, H, S, D]
+
+
+def test_the_backward_zeroes_dq_in_the_delta_pass_and_converts_with_the_modules_own_kernel(monkeypatch):
+    """A module with a conversion launch (CONVERT_LAUNCH) is asked to zero the fp32 dQ in its Delta pass and to write
+    dQ (and GQA's grouped dK/dV) through its own conversion into the [B, S, H, D]-stored outputs; a module without one
+    gets a zeroed dQ and copies."""
+    from types import SimpleNamespace
+
+    from omnigen.kernels import arguments, launch
+
+    monkeypatch.setattr(launch, "_stream", lambda: 0)
+    S, D = 8, 16
+    empty = torch.zeros(0, dtype=torch.int32)
+    tables = SimpleNamespace(token_segment=empty, token_modality=empty, token_doc=empty)
+    plan = SimpleNamespace(tables=tables, fwd_ptr=empty, fwd_kv=empty, bwd_ptr=empty, bwd_q=empty,
+                           dq_ranks=lambda: empty)
+
+    def by_name(struct, args):  # a binding's positional arguments by field name (strides three at a time)
+        values, at = {}, 0
+        for key, strides in struct.call_keys:
+            values[key] = args[at : at + 3] if strides else args[at]
+            at += 3 if strides else 1
+        return values
+
+    class Module:
+        MODULE_NAME = None  # not cached: each case reads its own attributes
+        GROUP_DKDV = True
+
+        def __init__(self, own_passes: bool) -> None:
+            if own_passes:
+                self.CONVERT_LAUNCH = 1
+            self.zeroed, self.converted, self.dq_accum = [], [], None
+
+        def backward_delta(self, *args, **keywords):
+            self.zeroed.append(keywords.get("dq_accum", 0))
+
+        def backward(self, *args, **keywords):
+            self.dq_accum = by_name(arguments.BACKWARD, args)["dq_accum"]
+
+        def backward_convert(self, *args):
+            values = by_name(arguments.CONVERT, args)
+            self.converted.append((values["source"], values["destination"], tuple(values["destination_strides"]),
+                                   values["heads"]))
+
+    q, out, d_out = (torch.randn(1, 8, S, D) for _ in range(3))
+    k, v = torch.randn(1, 2, S, D), torch.randn(1, 2, S, D)
+    own = Module(own_passes=True)
+    dq, dk, dv = launch.backward_pass(own, plan, q, k, v, out, torch.randn(1, 8, S), d_out, 1.0)
+    assert own.zeroed == [own.dq_accum] and own.dq_accum != 0  # the Delta pass zeroes the buffer the kernel adds into
+    # grouped dK and dV (2 heads) first, then dQ (8 heads), each into its [B, S, H, D]-stored output
+    assert [c[1:] for c in own.converted] == [(dk.data_ptr(), dk.stride()[:3], 2), (dv.data_ptr(), dv.stride()[:3], 2),
+                                              (dq.data_ptr(), dq.stride()[:3], 8)]
+    assert own.converted[2][0] == own.dq_accum and dq.stride() == (8 * S * D, D, 8 * D, 1)
+
+    plain = Module(own_passes=False)
+    dq, _, _ = launch.backward_pass(plain, plan, q, k, v, out, torch.randn(1, 8, S), d_out, 1.0)
+    assert plain.zeroed == [0] and plain.converted == []
+    assert torch.equal(dq, torch.zeros_like(dq))  # a zeroed dQ, copied out (the stand-in's kernel adds nothing)
