@@ -8,6 +8,7 @@ import datetime
 import functools
 import os
 import random
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -126,11 +127,18 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    """A port no one listens on now, picked by the OS (one drawn from a fixed range can meet a port in use)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_process_float64(world):
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    processes = mp.start_processes(_worker, args=(world, 29000 + random.randrange(900), queue), nprocs=world,
+    processes = mp.start_processes(_worker, args=(world, _free_port(), queue), nprocs=world,
                                    join=False, start_method="spawn")
     processes.join(timeout=900)
     found = {}
