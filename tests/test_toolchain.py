@@ -232,6 +232,20 @@ def test_calling_without_a_gpu_raises_clearly(built):
         module.forward(*([16] * 5), *([8] * 12), 1, 3, 2, 100, 0.125, *([16] * 5), 0)
     with pytest.raises(ValueError, match="null pointer"):
         module.forward(0, *([16] * 4), *([8] * 12), 1, 2, 1, 100, 0.125, *([16] * 5), 0)
+    # The backward's passes: Delta (zeroing dq_accum when given) and the fp32 gradients' conversion check their
+    # arguments before asking for the GPU.
+    delta = (16, 16, 16, *([8] * 6), 1, 2, 100, 0)  # o, d_o, delta, strides, batch, heads_q, seq_len, stream
+    with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
+        module.backward_delta(*delta, dq_accum=16)
+    with pytest.raises(ValueError, match="dq_accum.*aligned"):
+        module.backward_delta(*delta, dq_accum=24)
+    convert = (16, 16, 8, 8, 8, 1, 2, 100, 0)  # source, destination, strides, batch, heads, seq_len, stream
+    with pytest.raises(RuntimeError, match="no CUDA GPU is available"):
+        module.backward_convert(*convert)
+    with pytest.raises(ValueError, match="source.*aligned"):
+        module.backward_convert(20, *convert[1:])
+    with pytest.raises(ValueError, match="multiples of 8"):
+        module.backward_convert(16, 16, 8, 12, 8, *convert[5:])
 
 
 @pytest.mark.nvcc

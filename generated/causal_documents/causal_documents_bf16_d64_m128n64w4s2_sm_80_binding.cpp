@@ -137,6 +137,7 @@ void forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t o, uintptr_t lse, 
   require_address(token_segment, "token_segment", 4);
   require_address(token_modality, "token_modality", 4);
   require_address(token_doc, "token_doc", 4);
+  if (tile_counter != 0) require_address(tile_counter, "tile_counter", 4);
   require_strides(q_stride_b, q_stride_h, q_stride_s, "q");
   require_strides(k_stride_b, k_stride_h, k_stride_s, "k");
   require_strides(v_stride_b, v_stride_h, v_stride_s, "v");
@@ -206,6 +207,8 @@ void backward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t d_o, uintptr_t ls
   require_address(token_segment, "token_segment", 4);
   require_address(token_modality, "token_modality", 4);
   require_address(token_doc, "token_doc", 4);
+  if (dq_rank != 0) require_address(dq_rank, "dq_rank", 4);
+  if (dq_semaphore != 0) require_address(dq_semaphore, "dq_semaphore", 4);
   require_strides(q_stride_b, q_stride_h, q_stride_s, "q");
   require_strides(k_stride_b, k_stride_h, k_stride_s, "k");
   require_strides(v_stride_b, v_stride_h, v_stride_s, "v");
@@ -284,6 +287,7 @@ void backward_delta(uintptr_t o, uintptr_t d_o, uintptr_t delta, int64_t o_strid
   require_address(o, "o", 16);
   require_address(d_o, "d_o", 16);
   require_address(delta, "delta", 4);
+  if (dq_accum != 0) require_address(dq_accum, "dq_accum", 16);
   require_strides(o_stride_b, o_stride_h, o_stride_s, "o");
   require_strides(d_o_stride_b, d_o_stride_h, d_o_stride_s, "d_o");
   require_sizes(batch, heads_q, heads_q, seq_len, 1.0);

@@ -300,9 +300,10 @@ def binding_signature(struct: LaunchStruct) -> str:
 
 
 def binding_checks(struct: LaunchStruct) -> str:
-    """The checks every call needs: the parameters' addresses (nullable ones when given) and 16-byte rows."""
+    """The checks every call needs: the addresses the binding copies into the struct, parameters and keywords (nullable
+    ones when given), and 16-byte rows."""
     lines = []
-    for f in struct.parameters:
+    for f in struct.parameters + tuple(k for k in struct.keywords if k.set_by_binding):
         if f.align:
             check = f'require_address({f.name}, "{f.name}", {f.align});'
             lines.append(f"  if ({f.name} != 0) {check}" if f.nullable else f"  {check}")
