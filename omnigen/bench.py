@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import exception_line
 from .layout import Layout, LayoutBatch
 from .semantics import rule_tensors
 from .mask_catalogue import NAMES as CATALOGUE_NAMES
@@ -109,7 +110,7 @@ def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int 
               heads: int = DEFAULT_HEADS, seed: int = 0, layouts: list[Layout] | None = None, heads_kv: int = 0,
               dtype: str = "bf16") -> list[Workload]:
     """The rules' synthetic layouts per S in `sizes`, or the user's layouts grouped by length bucket."""
-    check_heads(heads, heads_kv, dtype)
+    check_heads_and_dtype(heads, heads_kv, dtype)
     if layouts:
         groups = [LayoutBatch(group) for group in tune_layouts.bucket_user_layouts(layouts, tokens).values()]
     else:
@@ -117,7 +118,7 @@ def workloads(rules: Rules, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int 
     return [Workload(rules, group, dim, heads, heads_kv, dtype) for dim in dims for group in groups]
 
 
-def check_heads(heads: int, heads_kv: int, dtype: str) -> None:
+def check_heads_and_dtype(heads: int, heads_kv: int, dtype: str) -> None:
     """ValueError unless `heads_kv` (0: `heads`) divides `heads` (GQA groups) and `dtype` is one of DTYPES."""
     if heads_kv < 0 or (heads_kv and heads % heads_kv):
         raise ValueError(f"--heads-kv {heads_kv} must divide --heads {heads} (each key/value head serves a group of "
@@ -161,8 +162,7 @@ def random_inputs(B: int, heads: int, S: int, dim: int, seed: int, heads_kv: int
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    return exception_line(exc, limit=160)  # a skipped peer's reason, one table cell
 
 
 def _flex_missing() -> str | None:
@@ -362,7 +362,7 @@ def mask_workloads(masks: list[str] | tuple[str, ...], dims=DEFAULT_DIMS, sizes=
                    tokens: int = DEFAULT_TOKENS, heads: int = DEFAULT_HEADS, heads_kv: int = 0,
                    dtype: str = "bf16") -> list[MaskWorkload]:
     """Every (mask, S, D): B = tokens // S sequences (at least one)."""
-    check_heads(heads, heads_kv, dtype)
+    check_heads_and_dtype(heads, heads_kv, dtype)
     return [MaskWorkload(spec, max(1, tokens // S), S, dim, heads, heads_kv, dtype)
             for spec in check_mask_specs(masks) for S in sizes for dim in dims]
 
@@ -553,7 +553,7 @@ def run(rules: Rules, *, dims=DEFAULT_DIMS, sizes=DEFAULT_SIZES, tokens: int = D
     """Every workload of the rules against every peer (see the module docstring); `heads_kv` key/value heads (0:
     `heads`; fewer: grouped-query attention, SDPA's and FlexAttention's enable_gqa), inputs in `dtype` ("bf16",
     "fp16"). Raises NoGPU without CUDA."""
-    check_heads(heads, heads_kv, dtype)  # bad input fails before the GPU check
+    check_heads_and_dtype(heads, heads_kv, dtype)  # bad input fails before the GPU check (and the layouts)
     if not torch.cuda.is_available():
         raise NoGPU("omnigen bench needs a CUDA GPU, and none is visible here")
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)  # flex: one per shape

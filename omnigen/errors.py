@@ -24,6 +24,14 @@ class InputError(ValueError, TypeError):
             f"({i}) {text}" for i, text in enumerate(problems, 1))
 
 
+def exception_line(exc: BaseException, limit: int | None = None) -> str:
+    """`RuntimeError: the first line of its message` (at most `limit` characters of it): an exception named in a
+    sentence of ours, a warning or a skipped peer's reason."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0][:limit] if lines else "no message"
+    return f"{type(exc).__name__}: {first}"
+
+
 def type_name(value: object) -> str:
     """`numpy.ndarray`, `list`, `str`: a value's type as a user would write it."""
     kind = type(value)

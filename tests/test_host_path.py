@@ -176,22 +176,32 @@ def test_png_tile_panel_is_downsampled_not_the_plan():
         plt.close(fig)
 
 
+def _by_name(struct, args) -> dict:
+    """A binding's positional arguments (as a stand-in module receives them) by field name, strides three at a time."""
+    values, at = {}, 0
+    for key, strides in struct.call_keys:
+        values[key] = args[at : at + 3] if strides else args[at]
+        at += 3 if strides else 1
+    return values
+
+
+def _stand_in_plan():
+    """A plan with empty schedules and tables: what launch.backward_pass reads of one, for stand-in modules."""
+    from types import SimpleNamespace
+
+    empty = torch.zeros(0, dtype=torch.int32)
+    tables = SimpleNamespace(token_segment=empty, token_modality=empty, token_doc=empty)
+    return SimpleNamespace(tables=tables, fwd_ptr=empty, fwd_kv=empty, bwd_ptr=empty, bwd_q=empty,
+                           dq_ranks=lambda: empty)
+
+
 def test_the_backward_adds_gqa_groups_in_the_kernel_only_where_it_can(monkeypatch):
     """launch.backward_pass asks a GROUP_DKDV module to add each group's dK/dV itself (dkdv_group = Hq / Hkv, into
     float32 [B, Hkv, S, D] buffers it zeroes) in atomic mode for groups of a power of two; deterministic mode, other
     groups and modules without the flag get per-query-head partials [B, Hq, S, D] that it sums."""
-    from types import SimpleNamespace
-
     from omnigen.kernels import arguments, launch
 
     monkeypatch.setattr(launch, "_stream", lambda: 0)
-
-    def by_name(args):  # the binding's positional arguments by field name (strides three at a time)
-        values, at = {}, 0
-        for key, strides in arguments.BACKWARD.call_keys:
-            values[key] = args[at : at + 3] if strides else args[at]
-            at += 3 if strides else 1
-        return values
 
     class Module:
         MODULE_NAME = None  # not cached: each case reads its own flags
@@ -203,14 +213,11 @@ def test_the_backward_adds_gqa_groups_in_the_kernel_only_where_it_can(monkeypatc
             pass
 
         def backward(self, *args, **keywords):
-            values = by_name(args)
+            values = _by_name(arguments.BACKWARD, args)
             self.calls.append((keywords.get("dkdv_group", 1), values["dk_strides"][0] // (S * D)))  # buffer heads
 
     S, D = 8, 16
-    empty = torch.zeros(0, dtype=torch.int32)
-    tables = SimpleNamespace(token_segment=empty, token_modality=empty, token_doc=empty)
-    plan = SimpleNamespace(tables=tables, fwd_ptr=empty, fwd_kv=empty, bwd_ptr=empty, bwd_q=empty,
-                           dq_ranks=lambda: empty)
+    plan = _stand_in_plan()
 
     def run(module, Hq, Hkv, deterministic=False):
         q, out, d_out = (torch.randn(1, Hq, S, D) for _ in range(3))
@@ -231,23 +238,11 @@ def test_the_backward_zeroes_dq_in_the_delta_pass_and_converts_with_the_modules_
     """A module with a conversion launch (CONVERT_LAUNCH) is asked to zero the fp32 dQ in its Delta pass and to write
     dQ (and GQA's grouped dK/dV) through its own conversion into the [B, S, H, D]-stored outputs; a module without one
     gets a zeroed dQ and copies."""
-    from types import SimpleNamespace
-
     from omnigen.kernels import arguments, launch
 
     monkeypatch.setattr(launch, "_stream", lambda: 0)
     S, D = 8, 16
-    empty = torch.zeros(0, dtype=torch.int32)
-    tables = SimpleNamespace(token_segment=empty, token_modality=empty, token_doc=empty)
-    plan = SimpleNamespace(tables=tables, fwd_ptr=empty, fwd_kv=empty, bwd_ptr=empty, bwd_q=empty,
-                           dq_ranks=lambda: empty)
-
-    def by_name(struct, args):  # a binding's positional arguments by field name (strides three at a time)
-        values, at = {}, 0
-        for key, strides in struct.call_keys:
-            values[key] = args[at : at + 3] if strides else args[at]
-            at += 3 if strides else 1
-        return values
+    plan = _stand_in_plan()
 
     class Module:
         MODULE_NAME = None  # not cached: each case reads its own attributes
@@ -262,10 +257,10 @@ def test_the_backward_zeroes_dq_in_the_delta_pass_and_converts_with_the_modules_
             self.zeroed.append(keywords.get("dq_accum", 0))
 
         def backward(self, *args, **keywords):
-            self.dq_accum = by_name(arguments.BACKWARD, args)["dq_accum"]
+            self.dq_accum = _by_name(arguments.BACKWARD, args)["dq_accum"]
 
         def backward_convert(self, *args):
-            values = by_name(arguments.CONVERT, args)
+            values = _by_name(arguments.CONVERT, args)
             self.converted.append((values["source"], values["destination"], tuple(values["destination_strides"]),
                                    values["heads"]))
 

@@ -104,7 +104,7 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
     unknown = sorted(set(peers) - set(choices))
     if unknown or not peers:
         raise UserError(f"--peers: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(choices)}")
-    library.check_heads(heads, heads_kv, dtype)
+    library.check_heads_and_dtype(heads, heads_kv, dtype)
     if tile_cost and not masks:
         raise UserError("--tile-cost times masks no rule says (--mask / --mask-mod); the rules kernels' tile cost is "
                         "benchmarks/bench_attention.py --tile-cost")

@@ -31,21 +31,15 @@ class VariantTraits:
 
 
 @dataclass(frozen=True)
-class Capabilities:
+class Capabilities(VariantTraits):
     """What a built module can do and reads besides the arguments every launch takes (its VariantTraits' fields),
     and where its launches are, read once from its attributes (common/templates/binding.cpp.j2 sets them)."""
 
-    has_backward: bool
-    backward_problem: str | None  # why not, when it has none
-    persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
-    partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
-    ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
-    group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
     launch_abi: int | None  # omnigen/launch_abi.h's kLaunchAbi; None: a module without native launches
     forward_launch: int  # the launch functions' addresses, for the op shim (omnigen/op/native/)
     backward_launch: int
     delta_launch: int
-    convert_launch: int  # 0: a module built before the conversion was its own (the caller copies instead)
+    convert_launch: int  # 0: none (a stand-in without the pass: the caller zeroes and copies itself)
 
 
 _capabilities: dict[str, Capabilities] = {}  # by MODULE_NAME: an extension module is loaded once per process

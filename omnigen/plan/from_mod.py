@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import InputError, type_name
+from ..errors import InputError, exception_line, type_name
 from .masks import Mask
 from .planners import _check_device
 from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, ruleless_tables, tile_shapes
@@ -51,10 +51,6 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 _TENSOR_FIX = ("omnigen calls it on whole blocks of positions at once: b, h, q_idx and kv_idx are int64 tensors that "
                "broadcast against each other, so write it with tensor operations (torch.where instead of if/else, "
                "& | ~ instead of and/or/not, q_idx >= kv_idx, indexing a tensor with q_idx)")
-
-
-def _first_line(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no message'}"
 
 
 def _evaluate(mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -112,9 +108,9 @@ class _Mod:
             try:
                 out = self.mod(b, h, q, kv)
             except Exception as exc:  # the mod's own fault, compiled or not: say so, and not a word of compiling
-                raise InputError([f"mask_mod failed on index tensors ({_first_line(exc)}); {_TENSOR_FIX}"]) from exc
+                raise InputError([f"mask_mod failed on index tensors ({exception_line(exc)}); {_TENSOR_FIX}"]) from exc
         if failure is not None:
-            warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({_first_line(failure)}); "
+            warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({exception_line(failure)}); "
                           "evaluating it eagerly from now on (slower; compile_mod=False skips the attempt)",
                           stacklevel=4)
             self.compiled = _COMPILED[_code_of(self.mod)] = None
