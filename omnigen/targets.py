@@ -39,8 +39,9 @@ CAPABILITY_ARCH = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_86", (8, 9): "s
 # What the default target list and generated/ use when the rules name no arch and no GPU decides.
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 
-DTYPES = ("bf16", "fp16")
-ELEMENT_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}  # the CUDA type of each
+DTYPES = ("bf16", "fp16")  # what kernels train in: forward and backward
+FP8_DTYPES = ("e4m3",)  # forward-only variants (inference): the sm90 family's FP8 forward, O in bf16
+ELEMENT_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half", "e4m3": "__nv_fp8_e4m3"}  # the CUDA type of each
 HEAD_DIMS = (64, 128, 256)
 
 
@@ -141,8 +142,10 @@ class KernelConfig:
         out: list[str] = []
         if self.head_dim not in HEAD_DIMS:
             out.append(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}, not {self.head_dim}")
-        if self.dtype not in DTYPES:
-            out.append(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.dtype not in DTYPES + FP8_DTYPES:
+            out.append(f"dtype must be one of {', '.join(DTYPES + FP8_DTYPES)}, not {self.dtype!r}")
+        elif self.dtype in FP8_DTYPES and not self.forward_only:
+            out.append(f"{self.dtype} variants have a forward only (no FP8 backward): build them with forward_only=True")
         if self.arch not in ARCH_TABLE:
             out.append(f"arch must be one of {', '.join(ARCHS)}, not {self.arch!r}")
         elif self.kernel_family and self.kernel_family != self.arch_family and \
@@ -167,4 +170,4 @@ class KernelConfig:
 
 
 __all__ = ["ARCHS", "ARCH_TABLE", "Arch", "CAPABILITY_ARCH", "DEFAULT_ARCHS", "DEFAULT_TILE", "DTYPES",
-           "ELEMENT_TYPES", "HEAD_DIMS", "KernelConfig", "KernelOptions", "KernelSpec", "TileConfig", "arch_for_capability"]
+           "ELEMENT_TYPES", "FP8_DTYPES", "HEAD_DIMS", "KernelConfig", "KernelOptions", "KernelSpec", "TileConfig", "arch_for_capability"]

@@ -18,7 +18,7 @@ its CONSTANT[0] size too): the rest must match exactly.
 
 Variants (--preset default): the transfusion and causal_documents rules of examples/rules, head dims 64, 128,
 256, bf16, sm_90a, each family default tile (forward and backward); plus sm_80 d64 / d128 transfusion.
---variant RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY] adds single ones. Needs nvcc and cuobjdump
+--variant RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY] adds single ones (e4m3: forward-only). Needs nvcc and cuobjdump
 (`pip install nvidia-cuda-cuobjdump`; found on PATH or under site-packages/nvidia/cu13/bin).
 """
 
@@ -148,7 +148,10 @@ def shifted(lines: list[str], start: int, delta: int) -> list[str]:
 
 def variants(modules, preset: str, extra: list[str]) -> list[tuple[str, object]]:
     _, _, kernels, _ = modules
+    from omnigen import targets
     from omnigen.targets import KernelConfig, TileConfig
+
+    fp8_dtypes = getattr(targets, "FP8_DTYPES", ())  # (older trees have none)
 
     out = []
     if preset == "default":
@@ -161,7 +164,7 @@ def variants(modules, preset: str, extra: list[str]) -> list[tuple[str, object]]
         rules_name, dtype, head_dim, tile, arch, *family = text.split(":")
         m, n, w, s = (int(x) for x in tile.lower().split("x"))
         out.append((rules_name, KernelConfig(int(head_dim), dtype, arch, TileConfig(m, n, w, s),
-                                             kernel_family="".join(family))))
+                                             kernel_family="".join(family), forward_only=dtype in fp8_dtypes)))
     return out
 
 

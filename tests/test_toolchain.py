@@ -3,7 +3,7 @@
 Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles five variants once
 (one sm_80, one sm_90a, the sm_90a one with the sm90 forward's options that are on by default turned off, the
 d256 split-columns Hopper backward, and a d64 Hopper backward with its step and grid options off; in one
-parallel ninja run) into a private cache, and the sm_80 one forward-only.
+parallel ninja run) into a private cache, the sm_80 one forward-only, and the sm90 FP8 forward.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from click.testing import CliRunner
 import omnigen
 from omnigen.kernels import family_of
 from omnigen.jit import cache
+from omnigen.jit.codegen import source_names
 from omnigen.jit import toolchain as tools
 from omnigen.cli import cli
 from omnigen.targets import KernelConfig, TileConfig
@@ -46,6 +47,8 @@ SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(
 # 3-D grids.
 # The sm_80 variant built forward-only (for inference): its backward file holds the launchers alone.
 SM80_FORWARD = dataclasses.replace(SM80, forward_only=True)
+# The sm90 family's FP8 forward (e4m3 inputs, bf16 out; forward-only, d128, 128-key tiles).
+FP8 = KernelConfig(head_dim=128, dtype="e4m3", arch="sm_90a", tile=TileConfig(128, 128, 12, 2), forward_only=True)
 ORDERED = with_options(KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2)),
                        early_scores=False, dq_writer=False, ordered_section_pairs=0, atomic_section_pairs=0)
 
@@ -167,7 +170,8 @@ def built(tmp_path_factory):
     previous = os.environ.get("OMNIGEN_CACHE_DIR")
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
-        variants = [cache.variant(RULES, config) for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD)]
+        variants = [cache.variant(RULES, config)
+                    for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD, FP8)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -181,7 +185,7 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True] * 6
+    assert [r.built for r in results] == [True] * 7
     # The sm90 forward's other options, the split-columns (d256) Hopper backward and the d64 one with its step and
     # grid options off: compiled, within the spill allowances.
     for result in results[2:5]:
@@ -214,6 +218,22 @@ def test_a_forward_only_build_has_the_forward_kernel_alone(built):
         name for name in results[0].meta["ptxas"]["kernels"] if "forward_kernel" in name]
     module = cache.get_module(RULES, SM80_FORWARD)
     assert module.HAS_BACKWARD is False and "built forward-only" in module.BACKWARD_PROBLEM
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+def test_the_fp8_forward_compiles_to_8_bit_products_without_spills(built):
+    directory, results = built
+    result = results[6]
+    kernels_built = result.meta["ptxas"]["kernels"]
+    assert [name for name in kernels_built] == [name for name in kernels_built if "forward_kernel" in name]
+    assert not any(family_of(FP8).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
+    assert all(k.get("spill_store_bytes", 0) == 0 for k in kernels_built.values()), kernels_built
+    module = cache.get_module(RULES, FP8)
+    assert module.DTYPE == "e4m3" and module.HAS_BACKWARD is False and "forward" in module.BACKWARD_PROBLEM
+    source = result.variant.sources[source_names(RULES, FP8)["kernel"]]
+    assert source.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2  # S = Q K^T and O += P V
+    assert "k16.f32" not in source
 
 
 @pytest.mark.nvcc

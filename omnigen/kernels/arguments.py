@@ -145,7 +145,7 @@ def _table(name: str, comment: str, ctype: str = "const int32_t*", **kw: Any) ->
 
 
 _QKV = (
-    _tensor("q", "const void*", "[batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous"),
+    _tensor("q", "const void*", "[batch, heads_q, seq_len, head_dim], bf16/fp16 (or e4m3: forward), last dim contiguous"),
     _tensor("k", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
     _tensor("v", "const void*", "[batch, heads_kv, seq_len, head_dim]"),
 )
@@ -181,6 +181,8 @@ FORWARD = LaunchStruct(
                 "q-tile row's\nfirst partial entry [batch * num_q_tiles + 1], and `partial_slots` slots of bits. "
                 "0 slots: none (null pointers)."),
         *_PARTIAL_BITS,
+        Field("value_scale", "float", "FP8 (e4m3) variants: V's descale, multiplied into O; other variants ignore it",
+              binding="keyword"),
     ),
 )
 

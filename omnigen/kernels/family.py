@@ -22,7 +22,8 @@ from . import launch
 # Mask headers keep modality sets in 32-bit words, and pad takes an id.
 MAX_MODALITIES = 31
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Torch dtypes of the kernels' inputs: the training dtypes, and e4m3 for the sm90 family's FP8 forward (forward-only).
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "e4m3"}
 TORCH_DTYPES = {name: t for t, name in DTYPE_NAMES.items()}
 
 KERNELS_DIR = Path(__file__).resolve().parent

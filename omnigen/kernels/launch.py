@@ -89,7 +89,8 @@ def as_heads_inner(t: torch.Tensor) -> torch.Tensor:
 
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """The kernels need a contiguous last dim, 16-byte aligned rows: copy only when that fails."""
-    aligned = t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+    size = t.element_size()
+    aligned = t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
     return t if aligned else t.contiguous()
 
 
@@ -135,8 +136,9 @@ def _tables(p: Any) -> dict[str, int]:
 
 
 def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, scale: float) -> None:
-    """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides)."""
+                   lse: torch.Tensor, scale: float, value_scale: float | None = None) -> None:
+    """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides). FP8 modules
+    take v as V^T (op/fp8.py) and multiply O by `value_scale`."""
     values = {**_tensor_values(q=q, k=k, v=v, o=out), "lse": lse.data_ptr(), **_sizes(q, k), "scale": scale,
               **_tables(p)}
     keywords: dict[str, Any] = {}
@@ -145,6 +147,8 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         keywords["tile_counter"] = counter.data_ptr()
     keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot", None), getattr(p, "partial_bits", None)))
+    if value_scale is not None:
+        keywords["value_scale"] = value_scale
     module.forward(*call_arguments(FORWARD, values, _stream()), **keywords)
 
 

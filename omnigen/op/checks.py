@@ -65,8 +65,8 @@ def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None
             problems.append(f"{name} is {t.dtype}; omnigen on the CPU takes {_dtype_names(HOST_DTYPES)} "
                             f"(convert with .to(torch.float32))")
         elif dtype is None and not on_host and t.dtype not in DTYPE_NAMES:
-            problems.append(f"{name} is {t.dtype}; omnigen kernels take torch.bfloat16 or torch.float16 "
-                            f"(convert with .to(torch.bfloat16))")
+            problems.append(f"{name} is {t.dtype}; omnigen kernels take torch.bfloat16 or torch.float16 (and, "
+                            f"forward-only, torch.float8_e4m3fn) (convert with .to(torch.bfloat16))")
     if len(tensors) == 3 and dtype is None and len({t.dtype for t in tensors.values()}) > 1:
         problems.append(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if len(tensors) == 3:

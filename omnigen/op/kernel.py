@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..errors import InputError
 from ..jit import cache, toolchain
 from ..kernels import DTYPE_NAMES, FAMILIES, TORCH_DTYPES, check, default_backward
 from ..layout import AnyLayout, Layout, LayoutBatch, as_layout
@@ -28,11 +29,11 @@ from ..plan import Mask, Plan, make_mask, mask_from_plans, plan
 from ..plan import ruleless
 from ..plan.planners import _check_device
 from ..rules import Rules, rules_for_key
-from ..targets import KernelConfig, TileConfig
+from ..targets import FP8_DTYPES, KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
 from . import autograd  # registers the op's backward; EagerAttention
-from . import cpu, library, native, permute
+from . import cpu, fp8, library, native, permute
 from .library import has_backward, on_host_path
 from .checks import check_call, check_layout_against, check_mask, check_tensors
 
@@ -187,6 +188,7 @@ class Kernel:
         scale: float | None = None,
         return_lse: bool = False,
         deterministic: bool = False,
+        descale: tuple[float, float, float] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if isinstance(layout, Mask):
             scale = check_tensors(q, k, v, scale, self.dtype, self.config.head_dim)
@@ -195,7 +197,19 @@ class Kernel:
             scale = check_call(q, k, v, layout, self.rules, scale, self.dtype, self.config.head_dim)
             mask = _prepare_kernel_layout(self, layout, q)
         check_mask(mask, q, self.rules_key, self.rules.name)
+        if self.dtype == fp8.FP8_DTYPE:
+            return _fp8_forward(q, k, v, mask, self.key, scale, descale, return_lse)
+        _no_descale(descale, q)
         return _call_op(q, k, v, mask, self.key, scale, deterministic, return_lse)
+
+
+# The FP8 forward is eager Python (data pointers, a copy of V): under torch.compile a graph break, said plainly.
+_fp8_forward = _disable(fp8.forward, "omnigen's FP8 forward runs eagerly: call it outside the compiled function")
+
+
+def _no_descale(descale: Any, q: torch.Tensor) -> None:
+    if descale is not None:
+        raise InputError(f"descale is for FP8 inputs (torch.float8_e4m3fn); q is {q.dtype}")
 
 
 def _batched(layout: AnyLayout, batch: int) -> AnyLayout:
@@ -220,7 +234,7 @@ def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str |
 
     # What is wrong whatever the machine comes first: a CPU-only machine reports the head dim, not only the GPU.
     if dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16 (or, forward-only, torch.float8_e4m3fn), not {dtype}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))} (the head dims omnigen builds "
                          f"kernels for), not {head_dim!r}")
@@ -235,7 +249,7 @@ def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str |
         tile = (FAMILIES[family].default_tile(head_dim) if family else
                 tune_space.default_config(rules, head_dim, DTYPE_NAMES[dtype], arch).tile)
     config = KernelConfig(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], arch=arch, tile=tile,
-                          kernel_family=family or "")
+                          kernel_family=family or "", forward_only=DTYPE_NAMES[dtype] in FP8_DTYPES)
     check(config)
     return config
 
@@ -261,10 +275,13 @@ def build(
     "sm80" or "sm90" on an H100) instead of the arch's own (omnigen.kernels.FAMILIES); it implies a
     pinned variant (no tuning database). `forward_only=True` builds the forward kernels alone (inference: a smaller
     module, somewhat faster to compile); its calls run under torch.no_grad() or on tensors that need no gradient,
-    and a backward raises saying so.
+    and a backward raises saying so. `dtype=torch.float8_e4m3fn` builds the sm90 family's FP8 forward (head dim
+    128, forward-only, untuned: its default tile); its calls take `descale=(dq, dk, dv)` (omnigen/op/fp8.py).
     """
     if not isinstance(rules, Rules):
         raise TypeError(f"rules must be omnigen.Rules, not {type(rules).__name__}")
+    if tune and dtype == fp8.FP8_DTYPE:
+        raise ValueError("tune=True does not tune FP8 variants yet: build them with tune=False (the default tile)")
     if tune and (tile is not None or family is not None):
         raise ValueError("tune=True picks the tiles itself: pass tile=None and family=None, or tune=False to pin them")
     config = _variant_config(rules, head_dim, dtype, arch, tile, family)
@@ -279,9 +296,9 @@ def build(
 
         tuned = tuner.tune_kernel(rules, head_dim, config.dtype)
     else:
-        tuned = _tuned_choices(rules, config) if tile is None and family is None else {}
+        tuned = _tuned_choices(rules, config) if tile is None and family is None and config.dtype not in FP8_DTYPES else {}
     pinned = tile is not None or family is not None
-    if forward_only:  # every config it may run, the tuned ones too, is built without its backward
+    if forward_only or config.forward_only:  # (FP8 variants are forward-only)  # every config it may run, the tuned ones too, is built without its backward
         config = replace(config, forward_only=True)
         tuned = {bucket: tune_db.Choice(replace(c.forward, forward_only=True), replace(c.forward, forward_only=True))
                  for bucket, c in tuned.items()}
@@ -372,9 +389,13 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    descale: tuple[float, float, float] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked attention for `rules` over `layout` (or over a mask, which carries its rules); builds the
     variant on first use (cached in-process).
+
+    q, k, v in torch.float8_e4m3fn (CUDA, Hopper, head dim 128) run the FP8 forward: bf16 out, no autograd,
+    `descale=(dq, dk, dv)` the per-tensor factors of the stored values (default 1).
 
     CPU tensors (float32, float64, bfloat16 or float16) run a plan-driven PyTorch path instead of a kernel, for
     tests and debugging (op/cpu.py): the same arguments, checks, outputs and autograd, in O(S * D) memory, far
@@ -392,7 +413,12 @@ def attention(
                             if rules is not None else "omnigen.attention needs the rules with a plain layout: "
                             "attention(q, k, v, layout, rules), or a mask: attention(q, k, v, omnigen.mask(...))")
         scale = check_call(q, k, v, layout, rules, scale)  # every mistake of the call at once, before building
+        if fp8.is_fp8(q):
+            fp8.check_call(q, k, v, descale)  # before planning: the FP8 path runs on CUDA only
         mask = _prepare_attention_layout(rules, layout, q)
+    if fp8.is_fp8(q):
+        return _fp8_forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
+    _no_descale(descale, q)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
 
 
@@ -444,7 +470,7 @@ def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head
     spec = rules.kernel
     head_dims = [head_dim] if head_dim is not None else list(spec.head_dims if spec else (64, 128))
     if dtype is not None and dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, not {dtype}")
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16 (or, forward-only, torch.float8_e4m3fn), not {dtype}")
     dtypes = [DTYPE_NAMES[dtype]] if dtype is not None else list(spec.dtypes if spec else ("bf16", "fp16"))
     arch = toolchain.visible_gpu_arch() if device.type == "cuda" else None
     tuned_on = database = None

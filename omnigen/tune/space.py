@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from ..kernels import backward_problems, family_of, problems
 from ..rules import Rules
-from ..targets import KernelConfig, TileConfig
+from ..targets import FP8_DTYPES, KernelConfig, TileConfig
 
 @dataclass(frozen=True)
 class Candidate:
@@ -59,12 +59,13 @@ class Candidate:
 
 def default_config(rules: Rules, head_dim: int, dtype: str, arch: str) -> KernelConfig:
     """What a kernel runs without tuning: the first of the rules' tiles that fits, else the default tile
-    (the same choice omnigen.build makes)."""
+    (the same choice omnigen.build makes). FP8 variants are forward-only."""
+    forward_only = dtype in FP8_DTYPES
     for tile in rules.kernel.tiles if rules.kernel else ():
-        config = KernelConfig(head_dim, dtype, arch, tile)
+        config = KernelConfig(head_dim, dtype, arch, tile, forward_only=forward_only)
         if not problems(config):
             return config
-    return KernelConfig(head_dim, dtype, arch, family_of(arch).default_tile(head_dim))
+    return KernelConfig(head_dim, dtype, arch, family_of(arch).default_tile(head_dim), forward_only=forward_only)
 
 
 def candidate_tiles(rules: Rules, head_dim: int, arch: str) -> tuple[TileConfig, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...targets import ARCH_TABLE, DEFAULT_TILE, KernelConfig, TileConfig
+from ...targets import ARCH_TABLE, DEFAULT_TILE, FP8_DTYPES, KernelConfig, TileConfig
 
 # head_dim 256 needs half the rows per warp to keep the fp32 output accumulators in registers.
 DEFAULT_TILE_D256 = TileConfig(block_m=64, block_n=32, warps=4, stages=2)
@@ -142,6 +142,8 @@ class Resources:
         out = self.config.identity_problems()
         if out:
             return out
+        if self.config.dtype in FP8_DTYPES:
+            return [f"the sm80 family has no FP8 kernels: {self.config.dtype} runs on the sm90 family (sm_90a: H100, H200)"]
         t = self.config.tile
         if t.block_m % (16 * t.warps):
             out.append(f"block_m ({t.block_m}) must be a multiple of 16 x warps ({16 * t.warps}): each warp owns whole 16-row blocks")

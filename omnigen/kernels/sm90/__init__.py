@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...targets import KernelConfig
+from ...targets import ELEMENT_TYPES, KernelConfig
 from ..family import KernelFamily
 from . import resources, space
 from .options import HopperOptions
@@ -75,6 +75,8 @@ class Sm90Family(KernelFamily):
             "stages": config.tile.stages,
             "shared_bytes": r.shared_storage_bytes,
             "wgmma_type": "f16" if config.dtype == "fp16" else "bf16",
+            "fp8": r.fp8,
+            "output_type": "__nv_bfloat16" if r.fp8 else ELEMENT_TYPES[config.dtype],
             "producer_registers": resources.PRODUCER_REGISTERS,
             "consumer_registers": resources.CONSUMER_REGISTERS,
             "persistent": o.persistent,

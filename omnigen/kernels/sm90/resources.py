@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...targets import ARCH_TABLE, KernelConfig, TileConfig
+from ...targets import ARCH_TABLE, FP8_DTYPES, KernelConfig, TileConfig
 from .options import HopperOptions
 
 BLOCK_M = 128
@@ -22,6 +22,9 @@ CONSUMER_REGISTERS = 232  # 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536
 # Scores (block_n / 2), output (head_dim / 2) and P (block_n / 4) fp32/packed registers per consumer
 # thread must leave room for addresses, softmax state and the mask tables under CONSUMER_REGISTERS.
 MAX_TILE_REGISTERS = 184
+# The FP8 forward's head dim and kv-tile: 8-bit rows of 128 bytes, V^T one box of 128 keys (at d256 its scores,
+# output and P would need 208 registers a consumer thread).
+FP8_HEAD_DIM = 128
 # The Hopper backward (hopper_dkdv_kernel) and the kv-tile (block_n) it takes per head dim. At d64 and d128 each
 # of the two consumer warpgroups takes 64 keys and holds their dK and dV (64 x head_dim fp32 each) beside S^T
 # and dP^T of a 64-query step, so the producer gives up more registers. At d256 that would be 256 accumulator
@@ -81,8 +84,19 @@ class Resources:
         return self.config.options if isinstance(self.config.options, HopperOptions) else HopperOptions()
 
     @property
+    def fp8(self) -> bool:
+        """An FP8 (e4m3) forward: 8-bit Q, K and V^T, O in bf16."""
+        return self.config.dtype in FP8_DTYPES
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of Q, K or V (one head dim's row of keys in FP8's V^T, the same at block_n 128)."""
+        return self.config.head_dim * (1 if self.fp8 else 2)
+
+    @property
     def boxes(self) -> int:
-        return self.config.head_dim // 64
+        """128-byte boxes per row (the 128-byte swizzle's width)."""
+        return self.row_bytes // 128
 
     @property
     def shared_storage_bytes(self) -> int:
@@ -90,8 +104,8 @@ class Resources:
         barriers (Q full and empty, full + empty for K and V per stage, the persistent grid's two tile slots'
         full + empty) and the two slots' tile numbers, rounded up to the 1024-byte alignment."""
         t = self.config.tile
-        q = t.block_m * 128 * self.boxes
-        kv = t.block_n * 128 * self.boxes
+        q = t.block_m * self.row_bytes
+        kv = t.block_n * self.row_bytes
         tables = t.stages * 3 * t.block_n * 4
         barriers = 8 * (2 + 4 * t.stages + 4)
         slots = 2 * 4
@@ -187,6 +201,8 @@ class Resources:
     def backward_problems(self) -> list[str]:
         """Why the module has no backward: the Hopper kernel does not take its tile (or its options)."""
         c, t = self.config, self.config.tile
+        if self.fp8:
+            return [f"{c.dtype} variants have a forward only (an FP8 backward is not built)"]
         out = []
         block_n = HOPPER_BACKWARD_BLOCK_N.get(c.head_dim)
         if block_n is None:
@@ -226,7 +242,10 @@ class Resources:
             out.append(f"block_n must be a multiple of 16 from 16 to 256 (wgmma N, TMA box rows), not {t.block_n}")
         if t.stages < 2:
             out.append("stages must be at least 2 (the producer fills one while the consumers read another)")
-        registers = t.block_n // 2 + c.head_dim // 2 + t.block_n // 4
+        if self.fp8 and (c.head_dim != FP8_HEAD_DIM or t.block_n != FP8_HEAD_DIM):
+            out.append(f"the FP8 forward takes head_dim {FP8_HEAD_DIM} and block_n {FP8_HEAD_DIM} (V^T's 128-byte rows of "
+                       f"keys beside scores, output and P in registers), not head_dim {c.head_dim}, block_n {t.block_n}")
+        registers = t.block_n // 2 + c.head_dim // 2 + t.block_n // (8 if self.fp8 else 4)
         if registers > MAX_TILE_REGISTERS:
             out.append(f"block_n {t.block_n} with head_dim {c.head_dim} needs {registers} registers per consumer thread "
                        f"for scores, output and P (at most {MAX_TILE_REGISTERS} fit): lower block_n")

@@ -8,7 +8,7 @@ namespace omnigen {
 
 // What one backward launch (the dK/dV kernel, and the dQ kernel where separate) reads and writes.
 struct BackwardArgs {
-  const void* q;                  // [batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous
+  const void* q;                  // [batch, heads_q, seq_len, head_dim], bf16/fp16 (or e4m3: forward), last dim contiguous
   const void* k;                  // [batch, heads_kv, seq_len, head_dim]
   const void* v;                  // [batch, heads_kv, seq_len, head_dim]
   const void* d_o;                // upstream gradient of the output, [batch, heads_q, seq_len, head_dim]

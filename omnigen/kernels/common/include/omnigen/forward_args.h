@@ -8,7 +8,7 @@ namespace omnigen {
 
 // What one forward launch reads and writes.
 struct ForwardArgs {
-  const void* q;                  // [batch, heads_q, seq_len, head_dim], bf16/fp16, last dim contiguous
+  const void* q;                  // [batch, heads_q, seq_len, head_dim], bf16/fp16 (or e4m3: forward), last dim contiguous
   const void* k;                  // [batch, heads_kv, seq_len, head_dim]
   const void* v;                  // [batch, heads_kv, seq_len, head_dim]
   void* o;                        // [batch, heads_q, seq_len, head_dim]
@@ -30,6 +30,7 @@ struct ForwardArgs {
   const int32_t* partial_slot;
   const uint32_t* partial_bits;
   int partial_slots;
+  float value_scale;              // FP8 (e4m3) variants: V's descale, multiplied into O; other variants ignore it
 };
 
 // Implemented by the generated kernel file. Each returns 0 or a CUDA error code, and fills `message`

@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 namespace omnigen {
 
@@ -24,6 +25,13 @@ __device__ __forceinline__ uint32_t pack(float low, float high) {
     __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
     return *reinterpret_cast<uint32_t*>(&pair);
   }
+}
+
+// Four floats as e4m3 bytes, `a` the lowest (saturated to +-448, NaN kept): one conversion instruction per pair.
+__device__ __forceinline__ uint32_t pack_fp8x4(float a, float b, float c, float d) {
+  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return low | (high << 16);
 }
 
 // A thread's columns of one row as bits: column 8 (j / 2) + 2 (lane % 4) + j % 2 is bit j % 32 of word j / 32.

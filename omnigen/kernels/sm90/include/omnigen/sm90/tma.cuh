@@ -127,12 +127,4 @@ inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int element_b
   return true;
 }
 
-// Q, K, V, O and dO: 16-bit elements, boxes of [rows][64].
-inline bool encode_tensor_map(CUtensorMap* map, bool is_half, const void* base, int head_dim, int seq_len, int heads,
-                              int batch, int64_t stride_s, int64_t stride_h, int64_t stride_b, int rows,
-                              char* message, int message_size) {
-  return encode_map(map, is_half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, head_dim,
-                    seq_len, heads, batch, stride_s, stride_h, stride_b, rows, message, message_size);
-}
-
 }  // namespace omnigen::sm90

@@ -1,0 +1,122 @@
+"""The FP8 forward (sm90, e4m3 q/k/v, bf16 out) against float64, on a Hopper GPU (skipped elsewhere).
+
+The reference is float64 attention of the dequantised inputs (x8 * descale), so what is measured is the kernel's
+own error: P rounded to e4m3 before P V (3 mantissa bits: up to 1/16 relative per probability) and bf16 output. The
+bound below is what that rounding allows, with a margin; a wrong fragment layout or key permutation gives errors the
+size of the output itself.
+
+    PYTHONPATH=. OMNIGEN_CACHE_DIR=/tmp/og python3 -m pytest -q -m gpu tests/test_fp8_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import omnigen
+from omnigen.jit.toolchain import visible_gpu_arch
+from omnigen.reference import attention_reference
+
+from kernel_cases import TRANSFUSION
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or visible_gpu_arch() != "sm_90a",
+                       reason="the FP8 forward needs a Hopper GPU (sm_90a)"),
+]
+
+CAUSAL_DOCUMENTS = omnigen.Rules(name="causal_documents_fp8", modalities={"text": "causal"}, documents="isolated")
+E4M3_MAX = 448.0
+
+
+def quantised(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(t8, descale): per-tensor e4m3 with the largest magnitude at 448."""
+    descale = float(t.abs().amax()) / E4M3_MAX
+    return (t / descale).to(torch.float8_e4m3fn), descale
+
+
+def inputs(B: int, Hq: int, Hkv: int, S: int, seed: int, spread: float = 1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, 128, device="cuda", generator=gen) * spread for h in (Hq, Hkv, Hkv))
+    (q8, dq), (k8, dk), (v8, dv) = (quantised(t) for t in (q, k, v))
+    return (q8, k8, v8), (dq, dk, dv)
+
+
+def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+
+
+CASES = [
+    # (rules, layouts, heads_q, heads_kv): ragged lengths (a last key group of the permuted V^T cut short), GQA,
+    # documents, images (full and partial tiles), several q-tiles per sequence
+    (TRANSFUSION, ["text:37 image:256 text:101 image:256 text:50 image:300",
+                   "text:500 image:300@1 text:200@1"], 4, 2),
+    (CAUSAL_DOCUMENTS, ["text:700 text:300@1", "text:1000"], 2, 2),
+    (TRANSFUSION, ["text:5 image:12"], 2, 1),
+    (TRANSFUSION, ["text:1500 image:1024 text:200 image:1024 text:348"], 2, 2),
+]
+
+
+@pytest.mark.parametrize("rules,layouts,heads_q,heads_kv", CASES)
+def test_the_fp8_forward_matches_float64_of_its_dequantised_inputs(rules, layouts, heads_q, heads_kv):
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(text) for text in layouts])
+    B, S = layout.batch_size, layout.seq_len
+    (q8, k8, v8), descale = inputs(B, heads_q, heads_kv, S, seed=S)
+    with torch.no_grad():
+        out, lse = omnigen.attention(q8, k8, v8, layout, rules, descale=descale, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, heads_q, S, 128) and lse.dtype == torch.float32
+    dq, dk, dv = descale
+    ref, ref_lse = attention_reference(q8.double() * dq, k8.double() * dk, v8.double() * dv, layout, rules)
+    assert torch.isfinite(out).all()
+    error = relative_rms(out, ref)
+    worst = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert error < 0.04 and worst < 0.12, (error, worst)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse.double() - ref_lse)[finite].abs().max()) < 2e-3
+
+
+def test_the_fp8_forward_is_as_close_as_bf16_rounding_of_p_allows():
+    """The same inputs through the bf16 kernel (its P rounded to bf16, 8 mantissa bits) err about 16x less: the
+    FP8 kernel's error is P's e4m3 rounding and nothing else (a fault would not scale with mantissa bits)."""
+    layout = omnigen.Layout.parse("text:900 image:256 text:300 image:592")
+    (q8, k8, v8), (dq, dk, dv) = inputs(1, 4, 4, layout.seq_len, seed=7)
+    q, k, v = (t.to(torch.bfloat16) * d for t, d in ((q8, dq), (k8, dk), (v8, dv)))
+    with torch.no_grad():
+        out8 = omnigen.attention(q8, k8, v8, layout, TRANSFUSION, descale=(dq, dk, dv))
+        out16 = omnigen.attention(q, k, v, layout, TRANSFUSION)
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), layout, TRANSFUSION)
+    e8, e16 = relative_rms(out8, ref), relative_rms(out16, ref)
+    assert e16 < e8 < 0.04, (e8, e16)
+
+
+def test_the_fp8_forward_takes_a_mask_made_once_and_a_mask_from_a_mod():
+    """A mask from omnigen.mask (planned for the FP8 tile) and one from a mask_mod (bits only) give the same out as a
+    plain layout."""
+    S = 1280
+    layout = omnigen.Layout.parse(f"text:{S}")
+    (q8, k8, v8), descale = inputs(2, 2, 2, S, seed=3)
+    mask = omnigen.mask(CAUSAL_DOCUMENTS, layout, "cuda", batch=2, head_dim=128, dtype=torch.float8_e4m3fn)
+    from_mod = omnigen.mask_from_mod(lambda b, h, q, kv: kv <= q, 2, S)
+    with torch.no_grad():
+        plain = omnigen.attention(q8, k8, v8, layout, CAUSAL_DOCUMENTS, descale=descale)
+        made = omnigen.attention(q8, k8, v8, mask, descale=descale)
+        modded = omnigen.attention(q8, k8, v8, from_mod, descale=descale)
+    assert torch.equal(plain, made)
+    assert torch.equal(plain, modded)
+
+
+def test_the_fp8_forward_refuses_a_gradient():
+    (q8, k8, v8), descale = inputs(1, 2, 2, 256, seed=1)
+    q8.requires_grad_()
+    with pytest.raises(ValueError, match="no backward"):
+        omnigen.attention(q8, k8, v8, "text:256", TRANSFUSION, descale=descale)
+
+
+def test_the_triton_copy_of_v_transposed_equals_torchs():
+    from omnigen.op.fp8 import transpose_values, values_transposed
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(2, 40, 3, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn).transpose(1, 2)  # [B, S, H, D]
+    for view in (v, v.contiguous(), v[:, :, :37]):
+        assert torch.equal(transpose_values(view).view(torch.uint8), values_transposed(view).view(torch.uint8))
