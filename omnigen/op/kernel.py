@@ -298,7 +298,8 @@ def build(
     else:
         tuned = _tuned_choices(rules, config) if tile is None and family is None and config.dtype not in FP8_DTYPES else {}
     pinned = tile is not None or family is not None
-    if forward_only or config.forward_only:  # (FP8 variants are forward-only)  # every config it may run, the tuned ones too, is built without its backward
+    # Every config it may run, the tuned ones too, is built without its backward (FP8 variants always are).
+    if forward_only or config.forward_only:
         config = replace(config, forward_only=True)
         tuned = {bucket: tune_db.Choice(replace(c.forward, forward_only=True), replace(c.forward, forward_only=True))
                  for bucket, c in tuned.items()}

@@ -1,7 +1,7 @@
 // omnigen sm90 primitive: the tensor memory accelerator (TMA). A tensor map, encoded once on the host,
 // describes a 4-D tensor [batch][heads][seq][head_dim] in global memory (any strides, last dim
-// contiguous) and the box one copy moves: 64 head-dim columns (128 bytes, the 128-byte swizzle's
-// width) x `rows` rows. Rows past the end of the tensor arrive as zeros and are never written back.
+// contiguous) and the box one copy moves: 128 bytes of columns (64 of 16-bit elements, 128 of 8-bit ones; the
+// 128-byte swizzle's width) x `rows` rows. Rows past the end of the tensor arrive as zeros and are never written back.
 #pragma once
 #include <cstdint>
 #include <cstdio>
