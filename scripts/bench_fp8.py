@@ -66,7 +66,7 @@ def run(rules_name: str, S: int, tokens: int, heads: int, error_heads: int, seed
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 row["cudnn_bf16_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
                     qd, kd, vd, is_causal=True))
-        flops = 4 * 128 * mask.allowed_pairs * heads  # allowed pairs only (DESIGN section 7)
+        flops = 4 * 128 * mask.allowed_pairs * heads  # allowed pairs only (docs/measuring.md)
         row["bf16_tflops"] = flops / row["bf16_ms"] / 1e9
         row["fp8_tflops"] = flops / row["fp8_ms"] / 1e9
         first = slice(0, error_heads)
