@@ -120,3 +120,21 @@ def test_the_triton_copy_of_v_transposed_equals_torchs():
     v = torch.randn(2, 40, 3, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn).transpose(1, 2)  # [B, S, H, D]
     for view in (v, v.contiguous(), v[:, :, :37]):
         assert torch.equal(transpose_values(view).view(torch.uint8), values_transposed(view).view(torch.uint8))
+
+
+def test_the_fp8_grid_of_tiles_gives_the_persistent_grids_output():
+    """One CTA per work tile (persistent=False: ping-pong's turns taken per tile, not per CTA) computes every tile
+    exactly as the persistent grid does."""
+    from omnigen.jit import cache
+    from omnigen.op.kernel import Kernel
+
+    from kernel_cases import with_options
+
+    layout = omnigen.Layout.parse("text:900 image:256 text:300 image:592")
+    (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=11)
+    persistent = omnigen.build(TRANSFUSION, 128, torch.float8_e4m3fn)
+    config = with_options(persistent.config, persistent=False)
+    grid = Kernel(TRANSFUSION, config, cache.get_module(TRANSFUSION, config))
+    with torch.no_grad():
+        expected = persistent(q8, k8, v8, layout, descale=descale)
+        assert torch.equal(grid(q8, k8, v8, layout, descale=descale), expected)
