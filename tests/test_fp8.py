@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import omnigen
-from omnigen.kernels import FAMILIES, problems
+from omnigen.kernels import FAMILIES, default_backward, problems
 from omnigen.op.fp8 import values_transposed
 from omnigen.targets import KernelConfig, TileConfig
 from omnigen.tune import space
@@ -46,6 +46,7 @@ def test_the_fp8_variant_is_the_sm90_forward_at_d128_alone():
                                                             forward_only=True)))
     default = space.default_config(RULES, 128, "e4m3", "sm_90a")
     assert default.forward_only and default.tile.block_n == 128 and not problems(default)
+    assert default_backward(default) == default  # no full FP8 variant to train with: itself, without a backward
 
 
 def test_fp8_shares_nothing_with_the_bf16_modules():

@@ -45,8 +45,9 @@ def default_backward(config: KernelConfig) -> KernelConfig:
     """The variant an untuned kernel whose forward is `config` runs its backward with: its family's choice, else
     the default variant of another family that builds for the arch (sm_90a: sm80's, a module of its own) where that
     one has a backward; else `config` itself (which then has none)."""
-    if config.forward_only:  # its module has no backward: the full variant's choice
-        return default_backward(replace(config, forward_only=False))
+    if config.forward_only:  # its module has no backward: the full variant's choice, where there is a full variant
+        chosen = default_backward(replace(config, forward_only=False))
+        return config if problems(chosen) else chosen  # (FP8 variants exist forward-only alone)
     family = family_of(config)
     chosen = family.default_backward(config)
     if chosen is not None:
