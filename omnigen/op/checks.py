@@ -61,6 +61,9 @@ def tensor_problems(q, k, v, scale: Any = None, dtype: torch.dtype | None = None
         if dtype is not None and t.dtype != dtype:
             problems.append(f"{name} is {t.dtype}, but this kernel was built for {dtype} "
                             f"(build another with omnigen.build(..., dtype={t.dtype}), or convert with .to({dtype}))")
+        elif dtype is None and on_host and t.dtype == torch.float8_e4m3fn:
+            problems.append(f"{name} is torch.float8_e4m3fn: the FP8 forward runs on Hopper GPUs (sm_90a); on the CPU "
+                            f"dequantise first ({name}.float() * its descale)")
         elif dtype is None and on_host and t.dtype not in HOST_DTYPES:
             problems.append(f"{name} is {t.dtype}; omnigen on the CPU takes {_dtype_names(HOST_DTYPES)} "
                             f"(convert with .to(torch.float32))")
