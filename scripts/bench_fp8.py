@@ -51,7 +51,7 @@ def run(rules_name: str, S: int, tokens: int, heads: int, error_heads: int, seed
     bf16 = omnigen.build(rules, 128, torch.bfloat16)
     fp8s = {tile.label: omnigen.build(rules, 128, torch.float8_e4m3fn, tile=tile) for tile in fp8_tiles}
     fp8 = next(iter(fp8s.values()))
-    mask = omnigen.mask(rules, layouts, "cuda", tiles=[(128, 128)] + bf16.tile_shapes(S))
+    mask = omnigen.mask(rules, layouts, "cuda", tiles=[(t.block_m, t.block_n) for t in fp8_tiles] + bf16.tile_shapes(S))
     row = {"rules": rules_name, "S": S, "B": B, "heads": heads, "bf16_variant": bf16.config.label,
            "fp8_variant": fp8.config.label}
     with torch.no_grad():

@@ -42,8 +42,11 @@ def test_the_fp8_variant_is_the_sm90_forward_at_d128_alone():
     assert "sm90 family" in " ".join(problems(KernelConfig(128, "e4m3", "sm_80", TileConfig(128, 64, 4, 2),
                                                             forward_only=True)))
     assert "head_dim 128" in " ".join(problems(KernelConfig(64, "e4m3", "sm_90a", TILE, forward_only=True)))
-    assert "block_n 128" in " ".join(problems(KernelConfig(128, "e4m3", "sm_90a", TileConfig(128, 64, 12, 2),
-                                                            forward_only=True)))
+    for block_n in (64, 192):  # V^T in 64-key boxes
+        assert problems(KernelConfig(128, "e4m3", "sm_90a", TileConfig(128, block_n, 12, 2), forward_only=True)) == []
+    for block_n in (96, 256):
+        assert "block_n 64, 128, 192" in " ".join(problems(KernelConfig(128, "e4m3", "sm_90a", TileConfig(128, block_n, 12, 2),
+                                                                       forward_only=True)))
     default = space.default_config(RULES, 128, "e4m3", "sm_90a")
     assert default.forward_only and default.tile.block_n == 128 and not problems(default)
     assert default_backward(default) == default  # no full FP8 variant to train with: itself, without a backward

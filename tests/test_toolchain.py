@@ -3,7 +3,7 @@
 Tests marked `nvcc` compile; CI has nvcc, so they run there. This file compiles five variants once
 (one sm_80, one sm_90a, the sm_90a one with the sm90 forward's options that are on by default turned off, the
 d256 split-columns Hopper backward, and a d64 Hopper backward with its step and grid options off; in one
-parallel ninja run) into a private cache, the sm_80 one forward-only, and the sm90 FP8 forward.
+parallel ninja run) into a private cache, the sm_80 one forward-only, and the sm90 FP8 forward at two kv-tiles.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ SPLIT = KernelConfig(head_dim=256, dtype="bf16", arch="sm_90a", tile=TileConfig(
 # 3-D grids.
 # The sm_80 variant built forward-only (for inference): its backward file holds the launchers alone.
 SM80_FORWARD = dataclasses.replace(SM80, forward_only=True)
-# The sm90 family's FP8 forward (e4m3 inputs, bf16 out; forward-only, d128, 128-key tiles).
+# The sm90 family's FP8 forward (e4m3 inputs, bf16 out; forward-only, d128): 128-key tiles (V^T in one 128-byte
+# swizzled box), and 192-key ones (V^T in three 64-byte swizzled boxes).
 FP8 = KernelConfig(head_dim=128, dtype="e4m3", arch="sm_90a", tile=TileConfig(128, 128, 12, 2), forward_only=True)
+FP8_WIDE = dataclasses.replace(FP8, tile=TileConfig(128, 192, 12, 2))
 ORDERED = with_options(KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2)),
                        early_scores=False, dq_writer=False, ordered_section_pairs=0, atomic_section_pairs=0)
 
@@ -171,7 +173,7 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, config)
-                    for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD, FP8)]
+                    for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD, FP8, FP8_WIDE)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -185,7 +187,7 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True] * 7
+    assert [r.built for r in results] == [True] * 8
     # The sm90 forward's other options, the split-columns (d256) Hopper backward and the d64 one with its step and
     # grid options off: compiled, within the spill allowances.
     for result in results[2:5]:
@@ -224,16 +226,18 @@ def test_a_forward_only_build_has_the_forward_kernel_alone(built):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_the_fp8_forward_compiles_to_8_bit_products_without_spills(built):
     directory, results = built
-    result = results[6]
-    kernels_built = result.meta["ptxas"]["kernels"]
-    assert [name for name in kernels_built] == [name for name in kernels_built if "forward_kernel" in name]
-    assert not any(family_of(FP8).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
-    assert all(k.get("spill_store_bytes", 0) == 0 for k in kernels_built.values()), kernels_built
-    module = cache.get_module(RULES, FP8)
-    assert module.DTYPE == "e4m3" and module.HAS_BACKWARD is False and "forward" in module.BACKWARD_PROBLEM
-    source = result.variant.sources[source_names(RULES, FP8)["kernel"]]
+    for result, config in zip(results[6:8], (FP8, FP8_WIDE)):
+        kernels_built = result.meta["ptxas"]["kernels"]
+        assert [name for name in kernels_built] == [name for name in kernels_built if "forward_kernel" in name]
+        assert not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
+        module = cache.get_module(RULES, config)
+        assert module.DTYPE == "e4m3" and module.HAS_BACKWARD is False and "forward" in module.BACKWARD_PROBLEM
+        assert "k16.f32" not in result.variant.sources[source_names(RULES, config)["kernel"]]
+    assert all(k.get("spill_store_bytes", 0) == 0 for k in results[6].meta["ptxas"]["kernels"].values())
+    source = results[6].variant.sources[source_names(RULES, FP8)["kernel"]]
     assert source.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2  # S = Q K^T and O += P V
-    assert "k16.f32" not in source
+    wide = results[7].variant.sources[source_names(RULES, FP8_WIDE)["kernel"]]
+    assert "m64n192k32.f32.e4m3.e4m3" in wide and "m64n128k32.f32.e4m3.e4m3" in wide  # S is 64 x 192, O 64 x 128
 
 
 @pytest.mark.nvcc
@@ -295,7 +299,7 @@ def test_cli_on_a_built_cache(built, tmp_path):
     assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
     assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
-    assert listed.exit_code == 0 and "buildtest" in listed.output and "7 module(s)" in listed.output
+    assert listed.exit_code == 0 and "buildtest" in listed.output and "8 module(s)" in listed.output
 
 
 @pytest.mark.nvcc
@@ -325,5 +329,5 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
     assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
-    assert cleared.exit_code == 0 and "removed 7 module(s)" in cleared.output
+    assert cleared.exit_code == 0 and "removed 8 module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

@@ -22,9 +22,11 @@ CONSUMER_REGISTERS = 232  # 128 x 40 + 256 x 232 = 64,512 of the SM's 65,536
 # Scores (block_n / 2), output (head_dim / 2) and P (block_n / 4) fp32/packed registers per consumer
 # thread must leave room for addresses, softmax state and the mask tables under CONSUMER_REGISTERS.
 MAX_TILE_REGISTERS = 184
-# The FP8 forward's head dim and kv-tile: 8-bit rows of 128 bytes, V^T one box of 128 keys (at d256 its scores,
-# output and P would need 208 registers a consumer thread).
+# The FP8 forward's head dim and kv-tiles: 8-bit rows of 128 bytes; V^T in boxes of 128 keys (128-byte swizzle) or 64
+# (64-byte swizzle), so block_n 64, 128 or 192 (256 would need 224 registers a consumer thread for scores, output and
+# P; at d256, 208 at block_n 128).
 FP8_HEAD_DIM = 128
+FP8_BLOCK_N = (64, 128, 192)
 # The Hopper backward (hopper_dkdv_kernel) and the kv-tile (block_n) it takes per head dim. At d64 and d128 each
 # of the two consumer warpgroups takes 64 keys and holds their dK and dV (64 x head_dim fp32 each) beside S^T
 # and dP^T of a 64-query step, so the producer gives up more registers. At d256 that would be 256 accumulator
@@ -242,9 +244,10 @@ class Resources:
             out.append(f"block_n must be a multiple of 16 from 16 to 256 (wgmma N, TMA box rows), not {t.block_n}")
         if t.stages < 2:
             out.append("stages must be at least 2 (the producer fills one while the consumers read another)")
-        if self.fp8 and (c.head_dim != FP8_HEAD_DIM or t.block_n != FP8_HEAD_DIM):
-            out.append(f"the FP8 forward takes head_dim {FP8_HEAD_DIM} and block_n {FP8_HEAD_DIM} (V^T's 128-byte rows of "
-                       f"keys beside scores, output and P in registers), not head_dim {c.head_dim}, block_n {t.block_n}")
+        if self.fp8 and (c.head_dim != FP8_HEAD_DIM or t.block_n not in FP8_BLOCK_N):
+            out.append(f"the FP8 forward takes head_dim {FP8_HEAD_DIM} and block_n {', '.join(map(str, FP8_BLOCK_N))} "
+                       f"(V^T in boxes of 64 or 128 keys, scores, output and P in registers), not head_dim "
+                       f"{c.head_dim}, block_n {t.block_n}")
         registers = t.block_n // 2 + c.head_dim // 2 + t.block_n // (8 if self.fp8 else 4)
         if registers > MAX_TILE_REGISTERS:
             out.append(f"block_n {t.block_n} with head_dim {c.head_dim} needs {registers} registers per consumer thread "

@@ -99,11 +99,11 @@ inline EncodeTiled encoder() {
 }
 
 // A map of a [batch][heads][seq_len][head_dim] tensor (strides in elements, the last dim contiguous) whose
-// boxes are [rows][128 bytes of columns], 128-byte swizzled. Returns false (and says why in `message`) when
-// the driver refuses it.
+// boxes are [rows][`box_bytes` bytes of columns], swizzled with the same period (128, or 64: FP8's V^T in 64-key
+// boxes). Returns false (and says why in `message`) when the driver refuses it.
 inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int element_bytes, const void* base, int head_dim,
                        int seq_len, int heads, int batch, int64_t stride_s, int64_t stride_h, int64_t stride_b, int rows,
-                       char* message, int message_size) {
+                       char* message, int message_size, int box_bytes = kBoxRowBytes) {
   const EncodeTiled encode = encoder();
   if (encode == nullptr) {
     snprintf(message, message_size, "the CUDA driver has no cuTensorMapEncodeTiled (a driver for CUDA 12 or newer is needed)");
@@ -112,10 +112,11 @@ inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, int element_b
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seq_len), cuuint64_t(heads), cuuint64_t(batch)};
   const cuuint64_t strides[3] = {cuuint64_t(stride_s) * element_bytes, cuuint64_t(stride_h) * element_bytes,
                                  cuuint64_t(stride_b) * element_bytes};
-  const cuuint32_t box[4] = {cuuint32_t(kBoxRowBytes / element_bytes), cuuint32_t(rows), 1, 1};
+  const cuuint32_t box[4] = {cuuint32_t(box_bytes / element_bytes), cuuint32_t(rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult status = encode(map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS) {
     snprintf(message, message_size,

@@ -15,12 +15,15 @@ namespace omnigen::sm90 {
 //  K-major operand (Q, K: the reduction dim is contiguous): advance 32 bytes per k16 step inside a box.
 //  MN-major operand (V in P.V: the output dim is contiguous): advance 16 rows (2048 bytes) per k16
 //  step; the next 64 output columns are one box further (`leading` bytes).
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t leading_bytes, uint32_t stride_bytes) {
+// `swizzle_bytes`: the swizzle's period, 128 (every tile but one) or 64 (FP8's V^T in 64-key boxes, rows of 64 bytes,
+// 8-row groups 512 bytes apart).
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t leading_bytes, uint32_t stride_bytes,
+                                                    int swizzle_bytes = 128) {
   uint64_t descriptor = 0;
   descriptor |= uint64_t((address & 0x3FFFF) >> 4);
   descriptor |= uint64_t((leading_bytes & 0x3FFFF) >> 4) << 16;
   descriptor |= uint64_t((stride_bytes & 0x3FFFF) >> 4) << 32;
-  descriptor |= uint64_t(1) << 62;  // 128-byte swizzle
+  descriptor |= uint64_t(swizzle_bytes == 64 ? 2 : 1) << 62;  // layout type: 1 the 128-byte swizzle, 2 the 64-byte one
   return descriptor;
 }
 
