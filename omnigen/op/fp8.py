@@ -115,8 +115,8 @@ def transpose_values(v: torch.Tensor) -> torch.Tensor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kernel_key: str, scale: float,
             descale: Sequence[float] | None, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One FP8 forward over a checked call's mask: out [B, Hq, S, D] bf16 (and lse [B, Hq, S] float32)."""
-    check_call(q, k, v, descale)
+    """One FP8 forward over a checked call's mask (check_call passed): out [B, Hq, S, D] bf16 (and lse [B, Hq, S]
+    float32)."""
     if mask.permutation is not None:
         raise InputError("the FP8 forward does not take reordered masks (omnigen.reorder) yet: pass the mask "
                          "without its permutation, or run the call in bf16")

@@ -192,14 +192,15 @@ class Kernel:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if isinstance(layout, Mask):
             scale = check_tensors(q, k, v, scale, self.dtype, self.config.head_dim)
+            _check_descale(q, k, v, descale)
             mask = layout
         else:
             scale = check_call(q, k, v, layout, self.rules, scale, self.dtype, self.config.head_dim)
+            _check_descale(q, k, v, descale)
             mask = _prepare_kernel_layout(self, layout, q)
         check_mask(mask, q, self.rules_key, self.rules.name)
-        if self.dtype == fp8.FP8_DTYPE:
+        if fp8.is_fp8(q):
             return _fp8_forward(q, k, v, mask, self.key, scale, descale, return_lse)
-        _no_descale(descale, q)
         return _call_op(q, k, v, mask, self.key, scale, deterministic, return_lse)
 
 
@@ -207,8 +208,12 @@ class Kernel:
 _fp8_forward = _disable(fp8.forward, "omnigen's FP8 forward runs eagerly: call it outside the compiled function")
 
 
-def _no_descale(descale: Any, q: torch.Tensor) -> None:
-    if descale is not None:
+def _check_descale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: Any) -> None:
+    """The FP8 call's own checks (after the common ones, before any planning or building), or that a 16-bit call
+    has no descale."""
+    if fp8.is_fp8(q):
+        fp8.check_call(q, k, v, descale)
+    elif descale is not None:
         raise InputError(f"descale is for FP8 inputs (torch.float8_e4m3fn); q is {q.dtype}")
 
 
@@ -228,13 +233,16 @@ _prepare_kernel_layout = _disable(_prepare_layout, _PLANNING_REASON)
 # ------------------------------------------------------------------------------------------------
 
 
+_DTYPES_TAKEN = "dtype must be torch.bfloat16 or torch.float16 (or, forward-only, torch.float8_e4m3fn)"
+
+
 def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str | None, tile: TileConfig | None,
                     family: str | None = None):
     from ..targets import HEAD_DIMS
 
     # What is wrong whatever the machine comes first: a CPU-only machine reports the head dim, not only the GPU.
     if dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16 (or, forward-only, torch.float8_e4m3fn), not {dtype}")
+        raise TypeError(f"{_DTYPES_TAKEN}, not {dtype}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))} (the head dims omnigen builds "
                          f"kernels for), not {head_dim!r}")
@@ -406,6 +414,7 @@ def attention(
             raise ValueError("the rules given differ from the mask's: pass the mask alone, "
                              "omnigen.attention(q, k, v, mask)")
         scale = check_tensors(q, k, v, scale)
+        _check_descale(q, k, v, descale)
         mask = layout
         check_mask(mask, q, mask.rules_key, mask.rules.name)
     else:
@@ -414,12 +423,10 @@ def attention(
                             if rules is not None else "omnigen.attention needs the rules with a plain layout: "
                             "attention(q, k, v, layout, rules), or a mask: attention(q, k, v, omnigen.mask(...))")
         scale = check_call(q, k, v, layout, rules, scale)  # every mistake of the call at once, before building
-        if fp8.is_fp8(q):
-            fp8.check_call(q, k, v, descale)  # before planning: the FP8 path runs on CUDA only
+        _check_descale(q, k, v, descale)
         mask = _prepare_attention_layout(rules, layout, q)
     if fp8.is_fp8(q):
         return _fp8_forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
-    _no_descale(descale, q)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
 
 
@@ -471,7 +478,7 @@ def candidate_tile_shapes(rules: Rules, seq_len: int, device: torch.device, head
     spec = rules.kernel
     head_dims = [head_dim] if head_dim is not None else list(spec.head_dims if spec else (64, 128))
     if dtype is not None and dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16 (or, forward-only, torch.float8_e4m3fn), not {dtype}")
+        raise TypeError(f"{_DTYPES_TAKEN}, not {dtype}")
     dtypes = [DTYPE_NAMES[dtype]] if dtype is not None else list(spec.dtypes if spec else ("bf16", "fp16"))
     arch = toolchain.visible_gpu_arch() if device.type == "cuda" else None
     tuned_on = database = None

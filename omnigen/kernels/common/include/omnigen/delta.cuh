@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "omnigen/backward_args.h"
+#include "omnigen/fragment.cuh"
 
 namespace omnigen {
 
@@ -74,18 +75,6 @@ cudaError_t launch_delta(const DeltaArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Packs two floats as the element type's pair (low, high), rounding to nearest.
-template <typename Element>
-__device__ __forceinline__ uint32_t to_pair(float low, float high) {
-  if constexpr (std::is_same_v<Element, __half>) {
-    const __half2 pair = __floats2half2_rn(low, high);
-    return *reinterpret_cast<const uint32_t*>(&pair);
-  } else {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-    return *reinterpret_cast<const uint32_t*>(&pair);
-  }
-}
-
 constexpr int kConvertThreads = 256;
 
 // One 16-byte chunk of the destination (8 elements, 32 bytes of fp32 read) a thread; rows of the source are
@@ -102,8 +91,8 @@ __global__ void __launch_bounds__(kConvertThreads) convert_kernel(const ConvertA
   const int head = int(batch_head % args.heads), batch = int(batch_head / args.heads);
   const float4* source = reinterpret_cast<const float4*>(args.source + row * kHeadDim + chunk * 8);
   const float4 low = __ldcs(source), high = __ldcs(source + 1);  // read once: not kept in L2
-  const uint4 packed = make_uint4(to_pair<Element>(low.x, low.y), to_pair<Element>(low.z, low.w),
-                                  to_pair<Element>(high.x, high.y), to_pair<Element>(high.z, high.w));
+  const uint4 packed = make_uint4(pack<Element>(low.x, low.y), pack<Element>(low.z, low.w),
+                                  pack<Element>(high.x, high.y), pack<Element>(high.z, high.w));
   Element* destination = static_cast<Element*>(args.destination) + batch * args.destination_stride_b +
                          head * args.destination_stride_h + position * args.destination_stride_s + chunk * 8;
   *reinterpret_cast<uint4*>(destination) = packed;
