@@ -185,9 +185,10 @@ def _dense_evaluator(dense: torch.Tensor) -> Evaluator:
 
 
 def _mod_evaluator(mod: Callable, device: torch.device) -> Evaluator:
-    from .from_mod import _Mod
+    from .from_mod import _Mod, compiles_by_default
 
-    call = _Mod(mod, device)
+    # Compiled where mask_from_mod compiles it (the same evaluator, already built for the mask just made).
+    call = _Mod(mod, device, compiles_by_default(device))
     return lambda b0, b1, rows, cols: call(torch.arange(b0, b1, device=device)[:, None, None], rows[None, :, None],
                                            cols[None, None, :])
 
