@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--error-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fp8-tiles", nargs="+", default=["128x128w12s2"],
+    parser.add_argument("--fp8-tiles", nargs="+", default=["128x192w12s2", "128x128w12s2"],
                         help="the FP8 variants' tiles, MxNwWsS (block_n 64, 128 or 192); the first gives fp8_ms")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -48,7 +48,8 @@ def test_the_fp8_variant_is_the_sm90_forward_at_d128_alone():
         assert "block_n 64, 128, 192" in " ".join(problems(KernelConfig(128, "e4m3", "sm_90a", TileConfig(128, block_n, 12, 2),
                                                                        forward_only=True)))
     default = space.default_config(RULES, 128, "e4m3", "sm_90a")
-    assert default.forward_only and default.tile.block_n == 128 and not problems(default)
+    assert default.forward_only and default.tile.block_n == 192 and not problems(default)  # FP8's own default
+    assert space.default_config(RULES, 128, "bf16", "sm_90a").tile.block_n == 128  # bf16's unchanged
     assert default_backward(default) == default  # no full FP8 variant to train with: itself, without a backward
 
 

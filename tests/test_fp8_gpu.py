@@ -140,10 +140,10 @@ def test_the_fp8_grid_of_tiles_gives_the_persistent_grids_output():
         assert torch.equal(grid(q8, k8, v8, layout, descale=descale), expected)
 
 
-@pytest.mark.parametrize("block_n,stages", [(64, 4), (192, 2)])
-def test_the_fp8_forward_at_kv_tiles_of_64_byte_swizzled_v_boxes(block_n, stages):
-    """block_n 64 and 192 read V^T in boxes of 64 keys (the 64-byte swizzle, in TMA and in P V's descriptors): the
-    same error against float64 as the 128-key tile, on ragged lengths and GQA."""
+@pytest.mark.parametrize("block_n,stages", [(64, 4), (128, 2), (192, 2)])
+def test_the_fp8_forward_at_every_kv_tile(block_n, stages):
+    """block_n 64 and 192 read V^T in boxes of 64 keys (the 64-byte swizzle, in TMA and in P V's descriptors), 128
+    in one box of 128 (the 128-byte swizzle): the same error against float64 on ragged lengths and GQA."""
     layout = omnigen.Layout.batch([omnigen.Layout.parse("text:37 image:256 text:101 image:256 text:50 image:300"),
                                    omnigen.Layout.parse("text:500 image:300@1 text:200@1")])
     (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=block_n)

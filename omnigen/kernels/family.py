@@ -35,7 +35,7 @@ class KernelFamily(ABC):
     """One kernel family. A subclass names its folder under omnigen/kernels/ (`name`), the files it
     renders (`sources`: role -> template), the kernels the tuner times, its `resources` module (a
     `Resources(config)` class with `problems()`, `backward_problems()` and `shared_memory_bytes`, plus
-    `default_tile(head_dim)` and `excess_spill_bytes(kernel_name, figures)`), its `space` module
+    `default_tile(head_dim, dtype)` and `excess_spill_bytes(kernel_name, figures)`), its `space` module
     (`DEFAULT_SPACE`: candidate tiles per head dim) and the type of its options (`options_type`, a
     KernelOptions dataclass: the base one, without fields, for a family without choices); and it writes
     `render_context`."""
@@ -103,9 +103,9 @@ class KernelFamily(ABC):
 
     # ---- the candidate space
 
-    def default_tile(self, head_dim: int) -> TileConfig:
-        """The tile a variant gets when nobody picked one."""
-        return self.resources.default_tile(head_dim)
+    def default_tile(self, head_dim: int, dtype: str = "bf16") -> TileConfig:
+        """The tile a variant of `dtype` (a name of targets.DTYPES or FP8_DTYPES) gets when nobody picked one."""
+        return self.resources.default_tile(head_dim, dtype)
 
     def candidate_tiles(self, head_dim: int) -> tuple[TileConfig, ...]:
         """The tiles the tuner compiles and times for a head dim (the default tile among them)."""

@@ -37,8 +37,8 @@ def check(config: KernelConfig) -> None:
         raise ValueError(f"kernel variant {config.label} cannot be built: " + "; ".join(found))
 
 
-def default_tile(arch: str, head_dim: int):
-    return family_of(arch).default_tile(head_dim)
+def default_tile(arch: str, head_dim: int, dtype: str = "bf16"):
+    return family_of(arch).default_tile(head_dim, dtype)
 
 
 def default_backward(config: KernelConfig) -> KernelConfig:

@@ -254,7 +254,7 @@ def _variant_config(rules: Rules, head_dim: int, dtype: torch.dtype, arch: str |
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")
     if tile is None:
-        tile = (FAMILIES[family].default_tile(head_dim) if family else
+        tile = (FAMILIES[family].default_tile(head_dim, DTYPE_NAMES[dtype]) if family else
                 tune_space.default_config(rules, head_dim, DTYPE_NAMES[dtype], arch).tile)
     config = KernelConfig(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], arch=arch, tile=tile,
                           kernel_family=family or "", forward_only=DTYPE_NAMES[dtype] in FP8_DTYPES)

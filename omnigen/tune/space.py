@@ -65,7 +65,8 @@ def default_config(rules: Rules, head_dim: int, dtype: str, arch: str) -> Kernel
         config = KernelConfig(head_dim, dtype, arch, tile, forward_only=forward_only)
         if not problems(config):
             return config
-    return KernelConfig(head_dim, dtype, arch, family_of(arch).default_tile(head_dim), forward_only=forward_only)
+    return KernelConfig(head_dim, dtype, arch, family_of(arch).default_tile(head_dim, dtype),
+                        forward_only=forward_only)
 
 
 def candidate_tiles(rules: Rules, head_dim: int, arch: str) -> tuple[TileConfig, ...]:

@@ -42,7 +42,7 @@ def excess_spill_bytes(kernel_name: str, figures: dict) -> int:
     return 0 if max(stores, loads) <= spill_allowance(kernel_name) else stores + loads
 
 
-def default_tile(head_dim: int) -> TileConfig:
+def default_tile(head_dim: int, dtype: str = "bf16") -> TileConfig:  # the same tile for bf16 and fp16
     return DEFAULT_TILE_D256 if head_dim > 128 else DEFAULT_TILE
 
 

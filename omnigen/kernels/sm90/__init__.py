@@ -32,7 +32,7 @@ class Sm90Family(KernelFamily):
         the head dim; else None (the registry looks in the arch's other families)."""
         if not self.backward_problems(config):
             return config
-        tile = resources.default_tile(config.head_dim)
+        tile = resources.default_tile(config.head_dim, config.dtype)
         default = KernelConfig(config.head_dim, config.dtype, config.arch, tile, kernel_family=config.kernel_family,
                                options=config.options)
         return default if not (self.problems(default) or self.backward_problems(default)) else None

@@ -49,15 +49,25 @@ HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 
 
-def default_tile(head_dim: int) -> TileConfig:
+# The FP8 forward's kv-tile when nobody picks one: 192 keys spread each step's fixed costs (barrier waits, the
+# row maxima's shuffles, O's rescale) over 1.5x the keys of 128. H100, B.S = 32K, d128: 1-4% faster than 128 at 32K
+# in 14 of 14 timings, within 4% either way at 8K (benchmarks/RESULTS.md, twentieth session).
+FP8_DEFAULT_BLOCK_N = 192
+
+
+def default_tile(head_dim: int, dtype: str = "bf16") -> TileConfig:
+    if dtype in FP8_DTYPES:
+        return TileConfig(BLOCK_M, FP8_DEFAULT_BLOCK_N, WARPS, 2)
     return TileConfig(BLOCK_M, 64 if head_dim > 128 else 128, WARPS, 2)
 
 
 # The forward's partial path holds each row's segment, document and rule beside S, O and P; at block_n
 # 128 ptxas parks one step-invariant 4-byte value on the stack and reloads it once per partial step
-# (SASS: one LDL before the step's first wgmma, none on the full and causal paths). More than this
-# means a tile has outgrown the consumer's registers.
-FORWARD_SPILL_ALLOWANCE = 16
+# (SASS: one LDL before the step's first wgmma, none on the full and causal paths). The FP8 forward's
+# 192-key tile (its default) keeps 20 / 28 bytes of set-up values there, stored before the first
+# product and read after the last (its step loops have no local memory). More than this means a tile
+# has outgrown the consumer's registers.
+FORWARD_SPILL_ALLOWANCE = 32
 
 
 # The Hopper backward's kernels spill in their producer warpgroup only, which runs on 24 registers: the producer
