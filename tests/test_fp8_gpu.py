@@ -91,13 +91,16 @@ def test_the_fp8_forward_is_as_close_as_bf16_rounding_of_p_allows():
 
 
 def test_the_fp8_forward_takes_a_mask_made_once_and_a_mask_from_a_mod():
-    """A mask from omnigen.mask (planned for the FP8 tile) and one from a mask_mod (bits only) give the same out as a
-    plain layout."""
+    """A mask from omnigen.mask and one from a mask_mod (bits only), both planned for the FP8 kernel's tile (dtype=),
+    give the same out as a plain layout; a mask planned for bf16's tiles only is refused with the way to make it."""
     S = 1280
     layout = omnigen.Layout.parse(f"text:{S}")
     (q8, k8, v8), descale = inputs(2, 2, 2, S, seed=3)
     mask = omnigen.mask(CAUSAL_DOCUMENTS, layout, "cuda", batch=2, head_dim=128, dtype=torch.float8_e4m3fn)
-    from_mod = omnigen.mask_from_mod(lambda b, h, q, kv: kv <= q, 2, S)
+    from_mod = omnigen.mask_from_mod(lambda b, h, q, kv: kv <= q, 2, S, dtype=torch.float8_e4m3fn)
+    bf16_only = omnigen.mask_from_mod(lambda b, h, q, kv: kv <= q, 2, S)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"no plan for 128x192 tiles.*mask_from_mod.*dtype="):
+        omnigen.attention(q8, k8, v8, bf16_only, descale=descale)
     with torch.no_grad():
         plain = omnigen.attention(q8, k8, v8, layout, CAUSAL_DOCUMENTS, descale=descale)
         made = omnigen.attention(q8, k8, v8, mask, descale=descale)

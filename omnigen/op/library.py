@@ -181,7 +181,8 @@ def schedules_for(schedules: list[torch.Tensor], tiles: list[int], tables: Token
     raise ValueError(
         f"the mask has no plan for {block_m}x{block_n} tiles, which this kernel runs at this sequence length "
         f"(it has {have}); make it with omnigen.mask(rules, layout, device, head_dim=..., dtype=...) for this "
-        "head dim and dtype, or with kernel.mask(layout)"
+        "head dim and dtype, or with kernel.mask(layout) (masks from mask_from_mod, mask_from_dense and "
+        "mask_from_intervals take the same head_dim= and dtype=)"
     )
 
 

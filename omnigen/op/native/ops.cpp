@@ -113,7 +113,8 @@ at::TensorList schedules_for(at::TensorList schedules, c10::SymIntArrayRef tiles
   TORCH_CHECK_VALUE(false, "the mask has no plan for ", choice.block_m, "x", choice.block_n,
                     " tiles, which this kernel runs at this sequence length (it has ", have,
                     "); make it with omnigen.mask(rules, layout, device, head_dim=..., dtype=...) for this head dim "
-                    "and dtype, or with kernel.mask(layout)");
+                    "and dtype, or with kernel.mask(layout) (masks from mask_from_mod, mask_from_dense and "
+                    "mask_from_intervals take the same head_dim= and dtype=)");
 }
 
 template <typename T>
