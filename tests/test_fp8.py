@@ -99,3 +99,22 @@ def test_mixed_fp8_and_bf16_inputs_are_refused():
 
     with pytest.raises(ValueError, match="all in torch.float8_e4m3fn"):
         fp8.check_call(_fp8(1, 1, 8, 128), torch.randn(1, 1, 8, 128).bfloat16(), _fp8(1, 1, 8, 128), None)
+
+
+def test_the_fp8_op_has_a_fake_for_compiled_graphs():
+    """`omnigen::attention_fp8`'s fake (what torch.compile traces): out in bf16 and the ops' output layout, lse in
+    float32, from q's shape; GQA's k and v shapes do not leak into them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from omnigen.kernels import launch
+    from omnigen.op import fp8  # noqa: F401 - registers the op
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 300, 128, dtype=torch.float8_e4m3fn)
+        k, v = (torch.empty(2, 2, 300, 128, dtype=torch.float8_e4m3fn) for _ in range(2))
+        tables = torch.empty(2, 300, dtype=torch.int32)
+        out, lse = torch.ops.omnigen.attention_fp8(q, k, v, [], [], tables, tables, tables, "rules/v2:any", 0.088,
+                                                   [0.01, 0.02, 0.03])
+    layout = launch.heads_inner(2, 8, 300, 128, dtype=torch.bfloat16, device="cpu")
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 8, 300, 128) and out.stride() == layout.stride()
+    assert lse.dtype == torch.float32 and lse.shape == (2, 8, 300)

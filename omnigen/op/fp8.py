@@ -4,8 +4,10 @@
 
 `descale` holds the per-tensor factors that turn the stored values back into real ones (x = x8 * d, as
 `torch._scaled_mm`'s scales and FlashAttention-3's descales): the scores are scale * dq * dk * q8 . k8, and O
-comes out multiplied by dv. The call path is eager Python with no autograd (FP8 has no backward here): it makes
-V's transposed copy the kernel reads, then launches the module's forward directly.
+comes out multiplied by dv. No autograd (FP8 has no backward here): a call makes V's transposed copy the kernel
+reads, then launches the module's forward. Under torch.compile it is one node, the op `omnigen::attention_fp8`
+(tensors and primitive values only, like `omnigen::attention`; its fake gives out's and lse's shapes); eager calls
+run the same function without the op's dispatch.
 
 Why the copy: 8-bit wgmma takes both operands K-major, so P V needs V as [head_dim][keys]. The copy also permutes
 the keys inside each group of 16 to the order in which the kernel packs P's registers (forward.cu.j2,
@@ -116,14 +118,23 @@ def transpose_values(v: torch.Tensor) -> torch.Tensor:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kernel_key: str, scale: float,
             descale: Sequence[float] | None, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One FP8 forward over a checked call's mask (check_call passed): out [B, Hq, S, D] bf16 (and lse [B, Hq, S]
-    float32)."""
+    float32). The op when compiling, else its function directly."""
     if mask.permutation is not None:
         raise InputError("the FP8 forward does not take reordered masks (omnigen.reorder) yet: pass the mask "
                          "without its permutation, or run the call in bf16")
-    dq, dk, dv = (float(x) for x in descale) if descale is not None else (1.0, 1.0, 1.0)
-    config, module = library.pass_module(kernel_key, q, backward=False)
-    plan = library.schedules_for(mask.schedules, list(mask.tile_shapes),
-                                 TokenTables(mask.token_segment, mask.token_modality, mask.token_doc),
+    factors = [float(x) for x in descale] if descale is not None else [1.0, 1.0, 1.0]
+    inputs = (q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality,
+              mask.token_doc, kernel_key, scale, factors)
+    out, lse = attention_fp8_op(*inputs) if torch.compiler.is_compiling() else _attention_fp8(*inputs)
+    return (out, lse) if return_lse else out
+
+
+def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules: list[torch.Tensor], tiles: list[int],
+                   token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor, kernel: str,
+                   scale: float, descale: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    dq, dk, dv = descale
+    config, module = library.pass_module(kernel, q, backward=False)
+    plan = library.schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
                                  config.tile.block_m, config.tile.block_n)
     q, k = (launch.kernel_ready(t) for t in (q, k))
     vt = transpose_values(v)
@@ -131,4 +142,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kerne
     out = launch.heads_inner(B, Hq, S, D, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     launch.launch_forward(module, plan, q, k, vt, out, lse, scale * dq * dk, value_scale=dv)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+# q, k and v may come in any row strides (kernel_ready copies only what the kernel cannot read; V is copied anyway),
+# and out's layout is fixed: the same flexible-layout tag as omnigen::attention's.
+attention_fp8_op = torch.library.custom_op("omnigen::attention_fp8", _attention_fp8, mutates_args=(),
+                                           tags=library.LAYOUT_TAGS)
+
+
+@attention_fp8_op.register_fake
+def _attention_fp8_fake(q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, descale):
+    B, Hq, S, D = q.shape
+    return (launch.heads_inner(B, Hq, S, D, dtype=torch.bfloat16, device=q.device),
+            q.new_empty(B, Hq, S, dtype=torch.float32))

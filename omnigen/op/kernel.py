@@ -204,8 +204,7 @@ class Kernel:
         return _call_op(q, k, v, mask, self.key, scale, deterministic, return_lse)
 
 
-# The FP8 forward is eager Python (data pointers, a copy of V): under torch.compile a graph break, said plainly.
-_fp8_forward = _disable(fp8.forward, "omnigen's FP8 forward runs eagerly: call it outside the compiled function")
+_fp8_forward = fp8.forward  # under torch.compile its op, omnigen::attention_fp8
 
 
 def _check_descale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: Any) -> None:

@@ -219,10 +219,10 @@ def _ruleless_refusal(why: str) -> str:
 # the outputs' layout is fixed (heads_inner), never derived from the inputs', so the fakes stay right whatever
 # Inductor picks. The default would pin every input to the layout eager mode gave it at trace time. With both, a
 # training step of benchmarks/train_step.py's config (a) took 1 GiB less memory (RESULTS.md, eleventh session).
-_LAYOUT_TAGS = (torch._C.Tag.flexible_layout,)
+LAYOUT_TAGS = (torch._C.Tag.flexible_layout,)
 
 
-@torch.library.custom_op("omnigen::attention", mutates_args=(), tags=_LAYOUT_TAGS)
+@torch.library.custom_op("omnigen::attention", mutates_args=(), tags=LAYOUT_TAGS)
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules: list[torch.Tensor], tiles: list[int],
     token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor,
@@ -248,7 +248,7 @@ def _attention_fake(q, k, v, schedules, tiles, token_segment, token_modality, to
     return heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device), q.new_empty(B, Hq, S, dtype=torch.float32)
 
 
-@torch.library.custom_op("omnigen::attention_backward", mutates_args=(), tags=_LAYOUT_TAGS)
+@torch.library.custom_op("omnigen::attention_backward", mutates_args=(), tags=LAYOUT_TAGS)
 def attention_backward_op(
     d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     schedules: list[torch.Tensor], tiles: list[int],
