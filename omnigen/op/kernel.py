@@ -200,11 +200,8 @@ class Kernel:
             mask = _prepare_kernel_layout(self, layout, q)
         check_mask(mask, q, self.rules_key, self.rules.name)
         if fp8.is_fp8(q):
-            return _fp8_forward(q, k, v, mask, self.key, scale, descale, return_lse)
+            return fp8.forward(q, k, v, mask, self.key, scale, descale, return_lse)
         return _call_op(q, k, v, mask, self.key, scale, deterministic, return_lse)
-
-
-_fp8_forward = fp8.forward  # under torch.compile its op, omnigen::attention_fp8
 
 
 def _check_descale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: Any) -> None:
@@ -425,7 +422,7 @@ def attention(
         _check_descale(q, k, v, descale)
         mask = _prepare_attention_layout(rules, layout, q)
     if fp8.is_fp8(q):
-        return _fp8_forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
+        return fp8.forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
 
 
