@@ -13,6 +13,7 @@ the same loss and gradients run in token order with the original mask and in the
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -352,6 +353,26 @@ def test_batches_get_one_permutation_each():
     # an [S, S] mask repeated over a batch: one shared permutation
     shared = omnigen.reorder(omnigen.mask_from_dense(dense[0], batch=3, tiles=TILES), costs=CHEAP)
     assert shared and shared.permutation.shape == (S,)
+
+
+def test_equal_batch_elements_are_planned_once(monkeypatch):
+    """A batch whose elements repeat (a mask_mod that ignores b, as most do) makes each distinct element's
+    candidates once, and gets the same permutations and estimates as planning every element alone."""
+    reorder_module = importlib.import_module("omnigen.plan.reorder")  # by name: omnigen.reorder is also a function
+    S = 384
+    made = []
+    real = reorder_module._atom_candidates
+    monkeypatch.setattr(reorder_module, "_atom_candidates", lambda *args: made.append(1) or real(*args))
+    shuffled = [_shuffled(_documents(S, 48), seed) for seed in (0, 1)]
+    dense = torch.stack([shuffled[0], shuffled[1], shuffled[0], shuffled[0]])
+    result = omnigen.reorder(dense, tiles=TILES, costs=CHEAP)
+    assert result and len(made) == 2  # elements 0, 2 and 3 are one
+    for b, seed in enumerate((0, 1, 0, 0)):
+        alone = omnigen.reorder(shuffled[seed][None], tiles=TILES, costs=CHEAP, method=result.method)
+        assert torch.equal(result.permutation[b], alone.permutation.reshape(-1, S)[0])
+    singles = {seed: omnigen.reorder(shuffled[seed][None], tiles=TILES, costs=CHEAP).candidates for seed in (0, 1)}
+    for name, estimate in result.candidates.items():
+        assert estimate == pytest.approx(3 * singles[0][name] + singles[1][name])
 
 
 def test_a_short_last_atom_stays_last():

@@ -376,6 +376,16 @@ def keyset_order(allowed: np.ndarray) -> np.ndarray:
     return np.argsort(keys, kind="stable").astype(np.int64)  # void values compare as bytes: lexicographic
 
 
+def _distinct_elements(any_: torch.Tensor, all_: torch.Tensor) -> list[int]:
+    """For each batch element, the first element with the same atom matrices (itself when none before it has them).
+    A mask_mod that ignores `b`, as most do, gives B equal elements: their candidates and estimates are made once."""
+    twin: list[int] = []
+    for b in range(any_.shape[0]):
+        twin.append(next((a for a in dict.fromkeys(twin)
+                          if torch.equal(any_[a], any_[b]) and torch.equal(all_[a], all_[b])), b))
+    return twin
+
+
 def _atom_candidates(any_b: np.ndarray, movable: int) -> dict[str, np.ndarray]:
     """Permutations of the first `movable` atoms of one batch element (the rest stay last, in order)."""
     n = any_b.shape[0]
@@ -672,7 +682,9 @@ def reorder(
         any_, all_ = _atoms(source, g)
         n = any_.shape[1]
         movable = n if S % g == 0 else n - 1  # a short last atom stays last (tiles stay aligned)
-        per_batch = [_atom_candidates(any_[b].cpu().numpy(), movable) for b in range(B)]
+        twin = _distinct_elements(any_, all_)
+        made_for = {a: _atom_candidates(any_[a].cpu().numpy(), movable) for a in dict.fromkeys(twin)}
+        per_batch = [made_for[a] for a in twin]
         names = [name for name in per_batch[0] if method == "auto" or name == method or name.endswith("+" + method)]
         names = [name for name in names if all(name in c for c in per_batch)]
         identity = np.arange(n)
@@ -680,8 +692,8 @@ def reorder(
             atom_perms = [torch.from_numpy(c[name]).to(source.device) for c in per_batch]
             if all(np.array_equal(c[name], identity) for c in per_batch):
                 continue
-            estimate = {s: sum(_estimated_tiles(any_[b], all_[b], atom_perms[b], g, S, s[0], s[1], costs)
-                               for b in range(B)) for s in shapes}
+            estimate = {s: sum(twin.count(a) * _estimated_tiles(any_[a], all_[a], atom_perms[a], g, S, s[0], s[1],
+                                                                costs) for a in made_for) for s in shapes}
             tokens = torch.stack([_tokens(p, g, S) for p in atom_perms])
             proposals[name], estimates[name] = (tokens, None, estimate), estimate[first]
 
