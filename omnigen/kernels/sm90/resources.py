@@ -50,7 +50,7 @@ HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 
 
 # The FP8 forward's kv-tile when nobody picks one: 192 keys spread each step's fixed costs (barrier waits, the
-# row maxima's shuffles, O's rescale) over 1.5x the keys of 128. H100, B.S = 32K, d128: 1-4% faster than 128 at 32K
+# row maxima's shuffles, O's rescale) over 1.5x the keys of 128. H100, B.S = 32K, d128: 1-5% faster than 128 at 32K
 # in 14 of 14 timings, within 4% either way at 8K (benchmarks/RESULTS.md, twentieth session).
 FP8_DEFAULT_BLOCK_N = 192
 
