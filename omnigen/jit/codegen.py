@@ -52,7 +52,7 @@ def targets(rules: Rules, archs: tuple[str, ...] | list[str] | None = None) -> l
     for head_dim in head_dims:
         for dtype in dtypes:
             for arch in chosen_archs:
-                for tile in tiles or (family_of(arch).default_tile(head_dim),):
+                for tile in tiles or (family_of(arch).default_tile(head_dim, dtype),):
                     out.append(KernelConfig(head_dim=head_dim, dtype=dtype, arch=arch, tile=tile))
     return list(dict.fromkeys(out))
 

@@ -57,7 +57,8 @@ def default_backward(config: KernelConfig) -> KernelConfig:
         if name == family.name:
             continue
         other = FAMILIES[name]
-        fallback = KernelConfig(config.head_dim, config.dtype, config.arch, other.default_tile(config.head_dim),
+        fallback = KernelConfig(config.head_dim, config.dtype, config.arch,
+                                other.default_tile(config.head_dim, config.dtype),
                                 kernel_family="" if name == arch.family else name)
         if problems(fallback):
             continue
