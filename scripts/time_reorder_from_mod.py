@@ -10,6 +10,7 @@ must agree.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import sys
@@ -21,16 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
 from bench_reorder import MASKS  # noqa: E402
-from omnigen.plan.from_mod import _Mod  # noqa: E402
 
 # By name: `omnigen.plan` and `omnigen.reorder` are also the package's functions.
 reorder_module = importlib.import_module("omnigen.plan.reorder")
-
-
-def eager_evaluator(mod, device):
-    call = _Mod(mod, device, compiled=False)
-    return lambda b0, b1, rows, cols: call(torch.arange(b0, b1, device=device)[:, None, None], rows[None, :, None],
-                                           cols[None, None, :])
+eager_evaluator = functools.partial(reorder_module._mod_evaluator, compiled=False)
 
 
 def timed(mod, B: int, S: int) -> tuple[list[float], object]:

@@ -133,9 +133,8 @@ def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules:
                    token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor, kernel: str,
                    scale: float, descale: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     dq, dk, dv = descale
-    config, module = library.pass_module(kernel, q, backward=False)
-    plan = library.schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
-                                 config.tile.block_m, config.tile.block_n)
+    _, module, plan = library.pass_plan(kernel, q, False, schedules, tiles,
+                                        TokenTables(token_segment, token_modality, token_doc))
     q, k = (launch.kernel_ready(t) for t in (q, k))
     vt = transpose_values(v)
     B, Hq, S, D = q.shape

@@ -208,6 +208,13 @@ def pass_module(kernel: str, q: torch.Tensor, backward: bool) -> tuple[Any, Any]
     return config, module
 
 
+def pass_plan(kernel: str, q: torch.Tensor, backward: bool, schedules: list[torch.Tensor], tiles: list[int],
+              tables: TokenTables) -> tuple[Any, Any, Schedules]:
+    """`pass_module`'s (config, module), and the schedules of the tile shape that config runs, out of the op's lists."""
+    config, module = pass_module(kernel, q, backward)
+    return config, module, schedules_for(schedules, tiles, tables, config.tile.block_m, config.tile.block_n)
+
+
 def _ruleless_refusal(why: str) -> str:
     return (f"omnigen::attention: this mask was made from data (mask_from_dense / mask_from_mod / "
             f"mask_from_intervals), so its partial tiles exist only as bits, and {why}. Such masks run on the sm80 "
@@ -234,9 +241,8 @@ def attention_op(
         plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
         out, lse = cpu.forward(rules, plan, q, k, v, scale)
         return as_heads_inner(out), lse
-    config, module = pass_module(kernel, q, backward=False)
-    plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
-                         config.tile.block_m, config.tile.block_n)
+    config, module, plan = pass_plan(kernel, q, False, schedules, tiles,
+                                     TokenTables(token_segment, token_modality, token_doc))
     q, k, v = (kernel_ready(t) for t in (q, k, v))
     out, lse = family_of(config).forward(module, plan, q, k, v, scale)
     return as_heads_inner(out), lse
@@ -259,9 +265,8 @@ def attention_backward_op(
     if on_host_path(q):
         plan = host_schedules(schedules, tiles, TokenTables(token_segment, token_modality, token_doc))
         return tuple(as_heads_inner(g) for g in cpu.backward(rules_of(kernel), plan, q, k, v, out, lse, d_out, scale))
-    config, module = pass_module(kernel, q, backward=True)
-    plan = schedules_for(schedules, tiles, TokenTables(token_segment, token_modality, token_doc),
-                         config.tile.block_m, config.tile.block_n)
+    config, module, plan = pass_plan(kernel, q, True, schedules, tiles,
+                                     TokenTables(token_segment, token_modality, token_doc))
     q, k, v, out, d_out = (kernel_ready(t) for t in (q, k, v, out, d_out))
     dq, dk, dv = family_of(config).backward(module, plan, q, k, v, out, lse, d_out, scale, deterministic)
     # Own tensors in the layout the fake says (a family may hand back views or k-shaped strides).

@@ -184,11 +184,11 @@ def _dense_evaluator(dense: torch.Tensor) -> Evaluator:
     return lambda b0, b1, rows, cols: dense[b0:b1][:, rows][:, :, cols]
 
 
-def _mod_evaluator(mod: Callable, device: torch.device) -> Evaluator:
+def _mod_evaluator(mod: Callable, device: torch.device, compiled: bool | None = None) -> Evaluator:
+    """`compiled`: None, where mask_from_mod compiles the mod (the same evaluator, already built for the mask)."""
     from .from_mod import _Mod, compiles_by_default
 
-    # Compiled where mask_from_mod compiles it (the same evaluator, already built for the mask just made).
-    call = _Mod(mod, device, compiles_by_default(device))
+    call = _Mod(mod, device, compiles_by_default(device) if compiled is None else compiled)
     return lambda b0, b1, rows, cols: call(torch.arange(b0, b1, device=device)[:, None, None], rows[None, :, None],
                                            cols[None, None, :])
 
@@ -379,10 +379,13 @@ def keyset_order(allowed: np.ndarray) -> np.ndarray:
 def _distinct_elements(any_: torch.Tensor, all_: torch.Tensor) -> list[int]:
     """For each batch element, the first element with the same atom matrices (itself when none before it has them).
     A mask_mod that ignores `b`, as most do, gives B equal elements: their candidates and estimates are made once."""
+    distinct: list[int] = []
     twin: list[int] = []
     for b in range(any_.shape[0]):
-        twin.append(next((a for a in dict.fromkeys(twin)
-                          if torch.equal(any_[a], any_[b]) and torch.equal(all_[a], all_[b])), b))
+        same = next((a for a in distinct if torch.equal(any_[a], any_[b]) and torch.equal(all_[a], all_[b])), None)
+        if same is None:
+            distinct.append(b)
+        twin.append(b if same is None else same)
     return twin
 
 
@@ -684,17 +687,17 @@ def reorder(
         movable = n if S % g == 0 else n - 1  # a short last atom stays last (tiles stay aligned)
         twin = _distinct_elements(any_, all_)
         made_for = {a: _atom_candidates(any_[a].cpu().numpy(), movable) for a in dict.fromkeys(twin)}
-        per_batch = [made_for[a] for a in twin]
-        names = [name for name in per_batch[0] if method == "auto" or name == method or name.endswith("+" + method)]
-        names = [name for name in names if all(name in c for c in per_batch)]
+        names = [name for name in made_for[0]  # (element 0 is always planned)
+                 if method == "auto" or name == method or name.endswith("+" + method)]
+        names = [name for name in names if all(name in c for c in made_for.values())]
         identity = np.arange(n)
         for name in names:
-            atom_perms = [torch.from_numpy(c[name]).to(source.device) for c in per_batch]
-            if all(np.array_equal(c[name], identity) for c in per_batch):
+            if all(np.array_equal(c[name], identity) for c in made_for.values()):
                 continue
-            estimate = {s: sum(twin.count(a) * _estimated_tiles(any_[a], all_[a], atom_perms[a], g, S, s[0], s[1],
-                                                                costs) for a in made_for) for s in shapes}
-            tokens = torch.stack([_tokens(p, g, S) for p in atom_perms])
+            moved = {a: torch.from_numpy(c[name]).to(source.device) for a, c in made_for.items()}  # once each
+            estimate = {s: sum(twin.count(a) * _estimated_tiles(any_[a], all_[a], p, g, S, s[0], s[1], costs)
+                               for a, p in moved.items()) for s in shapes}
+            tokens = torch.stack([_tokens(moved[a], g, S) for a in twin])
             proposals[name], estimates[name] = (tokens, None, estimate), estimate[first]
 
     result = Reordering(False, "", candidates=dict(estimates), original=mask)

@@ -74,7 +74,7 @@ class Sm90Family(KernelFamily):
             "warps": config.tile.warps,
             "stages": config.tile.stages,
             "shared_bytes": r.shared_storage_bytes,
-            "wgmma_type": "f16" if config.dtype == "fp16" else "bf16",
+            "wgmma_type": {"fp16": "f16"}.get(config.dtype, config.dtype),  # PTX's type names: f16, bf16, e4m3
             "fp8": r.fp8,
             "output_type": "__nv_bfloat16" if r.fp8 else ELEMENT_TYPES[config.dtype],
             "producer_registers": resources.PRODUCER_REGISTERS,
