@@ -80,12 +80,25 @@ def test_fp8_on_the_cpu_says_to_dequantise():
     ((1.0, 0.0, 1.0), "dk=0.0"),
     ((1.0, float("nan"), 1.0), "positive finite"),
     (torch.ones(3), "three positive numbers"),
+    ((1.0, torch.ones(2), 1.0), r"one float32 element on q's device \(cpu\), got dk: torch.float32 with 2 elements"),
+    ((torch.ones((), dtype=torch.float64), 1.0, 1.0), "dq: torch.float64 with 1 elements"),
 ])
 def test_bad_descales_are_named(descale, words):
     from omnigen.op import fp8
 
     with pytest.raises(ValueError, match=words):
         fp8.check_call(_fp8(1, 1, 8, 128), _fp8(1, 1, 8, 128), _fp8(1, 1, 8, 128), descale)
+
+
+def test_descales_given_as_tensors_become_one_tensor_the_kernel_reads():
+    """Numbers only: none (they go in as the launch's scale). Any tensor among them: all three as one float32 [3] on
+    its device, in order, the numbers turned into elements."""
+    from omnigen.op import fp8
+
+    assert fp8.descale_tensor(None) is None and fp8.descale_tensor((0.5, 2.0, 3.0)) is None
+    on_device = fp8.descale_tensor((0.5, torch.tensor([2.0]), torch.tensor(3.0)))
+    assert on_device.dtype == torch.float32 and on_device.tolist() == [0.5, 2.0, 3.0]
+    assert fp8._descale_problems((0.5, torch.tensor([2.0]), torch.tensor(3.0)), torch.device("cpu")) == []
 
 
 def test_descale_belongs_to_fp8_inputs():
@@ -114,7 +127,10 @@ def test_the_fp8_op_has_a_fake_for_compiled_graphs():
         k, v = (torch.empty(2, 2, 300, 128, dtype=torch.float8_e4m3fn) for _ in range(2))
         tables = torch.empty(2, 300, dtype=torch.int32)
         out, lse = torch.ops.omnigen.attention_fp8(q, k, v, [], [], tables, tables, tables, "rules/v2:any", 0.088,
-                                                   [0.01, 0.02, 0.03])
+                                                   [0.01, 0.02, 0.03], None)
+        on_device = torch.ops.omnigen.attention_fp8(q, k, v, [], [], tables, tables, tables, "rules/v2:any", 0.088,
+                                                    [1.0, 1.0, 1.0], torch.empty(3))
     layout = launch.heads_inner(2, 8, 300, 128, dtype=torch.bfloat16, device="cpu")
-    assert out.dtype == torch.bfloat16 and out.shape == (2, 8, 300, 128) and out.stride() == layout.stride()
-    assert lse.dtype == torch.float32 and lse.shape == (2, 8, 300)
+    for out, lse in ((out, lse), on_device):
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 8, 300, 128) and out.stride() == layout.stride()
+        assert lse.dtype == torch.float32 and lse.shape == (2, 8, 300)

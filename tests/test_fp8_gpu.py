@@ -186,3 +186,46 @@ def test_the_fp8_forward_compiles_to_one_op_and_equals_eager(made_beforehand):
     assert torch.equal(compiled, eager) and torch.equal(inductor, eager)
     nodes = [n for gm in graphs for n in gm.graph.nodes if "attention_fp8" in str(n.target)]
     assert len(nodes) == 1
+
+
+def test_descales_on_the_device_match_numbers_and_never_recompile():
+    """Descales given as one-element float32 tensors: the kernel reads them, so (a) out equals the numbers' call to
+    float32 rounding of the factors' product, (b) torch.compile(fullgraph=True) compiles once for any values (numbers
+    recompile), and (c) a captured CUDA graph replays the values the tensors hold at replay."""
+    layout = omnigen.Layout.parse("text:300 image:256 text:200")
+    (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=31)
+    mask = omnigen.mask(TRANSFUSION, layout, "cuda", batch=2, head_dim=128, dtype=torch.float8_e4m3fn)
+    factors = [torch.tensor([d], device="cuda") for d in descale]
+    with torch.no_grad():
+        numbers = omnigen.attention(q8, k8, v8, mask, descale=descale)
+        tensors = omnigen.attention(q8, k8, v8, mask, descale=tuple(factors))
+        assert float((tensors.float() - numbers.float()).abs().max()) <= 1e-2 * float(numbers.float().abs().max())
+        # Twice the values: the scores double (a different softmax), O doubles with dv.
+        doubled = [2 * d for d in descale]
+        expected = omnigen.attention(q8, k8, v8, mask, descale=tuple(doubled))
+
+        torch._dynamo.reset()
+        frames = []
+
+        def count(gm, _inputs):
+            frames.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(lambda q, k, v, dq, dk, dv: omnigen.attention(q, k, v, mask, descale=(dq, dk, dv)),
+                                 fullgraph=True, backend=count)
+        first = compiled(q8, k8, v8, *factors)
+        second = compiled(q8, k8, v8, *(f * 2 for f in factors))
+        assert len(frames) == 1, f"{len(frames)} compilations for two descale values"
+        assert torch.equal(first, tensors)
+        assert float((second.float() - expected.float()).abs().max()) <= 1e-2 * float(expected.float().abs().max())
+
+        graph = torch.cuda.CUDAGraph()
+        omnigen.attention(q8, k8, v8, mask, descale=tuple(factors))  # warm-up outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            replayed = omnigen.attention(q8, k8, v8, mask, descale=tuple(factors))
+        for f in factors:
+            f.mul_(2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, second)

@@ -183,6 +183,8 @@ FORWARD = LaunchStruct(
         *_PARTIAL_BITS,
         Field("value_scale", "float", "FP8 (e4m3) variants: V's descale, multiplied into O; other variants ignore it",
               binding="keyword"),
+        _table("descale", "FP8 (e4m3) variants: null, or (dq, dk, dv) in float32 on the device, read in place of "
+               "the host's", ctype="const float*", binding="keyword", nullable=True),
     ),
 )
 

@@ -136,9 +136,11 @@ def _tables(p: Any) -> dict[str, int]:
 
 
 def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, scale: float, value_scale: float | None = None) -> None:
+                   lse: torch.Tensor, scale: float, value_scale: float | None = None,
+                   descale: torch.Tensor | None = None) -> None:
     """The forward kernel into given `out` [B, Hq, S, D] and `lse` [B, Hq, S] float32 (any strides). FP8 modules
-    take v as V^T (op/fp8.py) and multiply O by `value_scale`."""
+    take v as V^T (op/fp8.py) and multiply O by `value_scale`, or read the three factors (dq, dk, dv) from
+    `descale` (float32 [3] on q's device) instead of value_scale and the descale part of `scale`."""
     values = {**_tensor_values(q=q, k=k, v=v, o=out), "lse": lse.data_ptr(), **_sizes(q, k), "scale": scale,
               **_tables(p)}
     keywords: dict[str, Any] = {}
@@ -149,6 +151,8 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot", None), getattr(p, "partial_bits", None)))
     if value_scale is not None:
         keywords["value_scale"] = value_scale
+    if descale is not None:
+        keywords["descale"] = descale.data_ptr()
     module.forward(*call_arguments(FORWARD, values, _stream()), **keywords)
 
 

@@ -4,7 +4,10 @@
 
 `descale` holds the per-tensor factors that turn the stored values back into real ones (x = x8 * d, as
 `torch._scaled_mm`'s scales and FlashAttention-3's descales): the scores are scale * dq * dk * q8 . k8, and O
-comes out multiplied by dv. No autograd (FP8 has no backward here): a call makes V's transposed copy the kernel
+comes out multiplied by dv. Each factor is a Python number or a one-element float32 tensor on q's device; with any
+tensor among them the three go to the kernel as one float32 [3] tensor it reads itself, so that under torch.compile
+new values are new inputs, not new constants (no recompilation), and CUDA graphs replay whatever the tensors hold.
+No autograd (FP8 has no backward here): a call makes V's transposed copy the kernel
 reads, then launches the module's forward. Under torch.compile it is one node, the op `omnigen::attention_fp8`
 (tensors and primitive values only, like `omnigen::attention`; its fake gives out's and lse's shapes); eager calls
 run the same function without the op's dispatch.
@@ -44,16 +47,36 @@ def is_fp8(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == FP8_DTYPE
 
 
-def _descale_problems(descale: Any) -> list[str]:
+def _descale_problems(descale: Any, device: torch.device) -> list[str]:
     if descale is None:
         return []
     if isinstance(descale, torch.Tensor) or not isinstance(descale, Sequence) or len(descale) != 3:
         return [f"descale must be three positive numbers (dq, dk, dv), per-tensor factors, not {descale!r}"]
-    bad = [f"{name}={value!r}" for name, value in zip(("dq", "dk", "dv"), descale)
-           if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0]
+    bad, tensors = [], []
+    for name, value in zip(("dq", "dk", "dv"), descale):
+        if isinstance(value, torch.Tensor):
+            if value.dtype != torch.float32 or value.numel() != 1 or value.device != device:
+                tensors.append(f"{name}: {value.dtype} with {value.numel()} elements on {value.device}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            bad.append(f"{name}={value!r}")
+    problems = []
     if bad:
-        return [f"descale must hold positive finite numbers (Python floats: per-tensor factors), got {', '.join(bad)}"]
-    return []
+        problems.append(f"descale must hold positive finite numbers (Python floats: per-tensor factors), got "
+                        f"{', '.join(bad)}")
+    if tensors:
+        problems.append(f"a descale given as a tensor must be one float32 element on q's device ({device}), got "
+                        f"{'; '.join(tensors)}")
+    return problems
+
+
+def descale_tensor(descale: Sequence[Any] | None) -> torch.Tensor | None:
+    """The three factors as one float32 [3] tensor on their tensors' device, where any of them is a tensor (the
+    kernel reads them there); None where all are numbers (they go in as the launch's own scale)."""
+    if descale is None or not any(isinstance(x, torch.Tensor) for x in descale):
+        return None
+    device = next(x.device for x in descale if isinstance(x, torch.Tensor))
+    return torch.stack([x.reshape(()) if isinstance(x, torch.Tensor)
+                        else torch.tensor(float(x), dtype=torch.float32, device=device) for x in descale])
 
 
 def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: Any) -> None:
@@ -67,7 +90,7 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: Any) 
                         "first: omnigen.attention(q.float() * dq, k.float() * dk, v.float() * dv, ...)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         problems.append("the FP8 forward has no backward: call it under torch.no_grad() (train in bf16 or fp16)")
-    problems += _descale_problems(descale)
+    problems += _descale_problems(descale, q.device)
     if problems:
         raise InputError("; ".join(problems))
 
@@ -116,23 +139,25 @@ def transpose_values(v: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, kernel_key: str, scale: float,
-            descale: Sequence[float] | None, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            descale: Sequence[Any] | None, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One FP8 forward over a checked call's mask (check_call passed): out [B, Hq, S, D] bf16 (and lse [B, Hq, S]
     float32). The op when compiling, else its function directly."""
     if mask.permutation is not None:
         raise InputError("the FP8 forward does not take reordered masks (omnigen.reorder) yet: pass the mask "
                          "without its permutation, or run the call in bf16")
-    factors = [float(x) for x in descale] if descale is not None else [1.0, 1.0, 1.0]
+    on_device = descale_tensor(descale)
+    factors = [float(x) for x in descale] if descale is not None and on_device is None else [1.0, 1.0, 1.0]
     inputs = (q, k, v, mask.schedules, list(mask.tile_shapes), mask.token_segment, mask.token_modality,
-              mask.token_doc, kernel_key, scale, factors)
+              mask.token_doc, kernel_key, scale, factors, on_device)
     out, lse = attention_fp8_op(*inputs) if torch.compiler.is_compiling() else _attention_fp8(*inputs)
     return (out, lse) if return_lse else out
 
 
 def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules: list[torch.Tensor], tiles: list[int],
                    token_segment: torch.Tensor, token_modality: torch.Tensor, token_doc: torch.Tensor, kernel: str,
-                   scale: float, descale: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    dq, dk, dv = descale
+                   scale: float, descale: list[float], descale_on_device: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    dq, dk, dv = descale  # (1, 1, 1 with descale_on_device, which the kernel reads instead)
     _, module, plan = library.pass_plan(kernel, q, False, schedules, tiles,
                                         TokenTables(token_segment, token_modality, token_doc))
     q, k = (launch.kernel_ready(t) for t in (q, k))
@@ -140,7 +165,8 @@ def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedules:
     B, Hq, S, D = q.shape
     out = launch.heads_inner(B, Hq, S, D, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
-    launch.launch_forward(module, plan, q, k, vt, out, lse, scale * dq * dk, value_scale=dv)
+    launch.launch_forward(module, plan, q, k, vt, out, lse, scale * dq * dk, value_scale=dv,
+                          descale=descale_on_device)
     return out, lse
 
 
@@ -151,7 +177,8 @@ attention_fp8_op = torch.library.custom_op("omnigen::attention_fp8", _attention_
 
 
 @attention_fp8_op.register_fake
-def _attention_fp8_fake(q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, descale):
+def _attention_fp8_fake(q, k, v, schedules, tiles, token_segment, token_modality, token_doc, kernel, scale, descale,
+                        descale_on_device):
     B, Hq, S, D = q.shape
     return (launch.heads_inner(B, Hq, S, D, dtype=torch.bfloat16, device=q.device),
             q.new_empty(B, Hq, S, dtype=torch.float32))

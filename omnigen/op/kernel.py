@@ -188,7 +188,7 @@ class Kernel:
         scale: float | None = None,
         return_lse: bool = False,
         deterministic: bool = False,
-        descale: tuple[float, float, float] | None = None,
+        descale: tuple[float | torch.Tensor, float | torch.Tensor, float | torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if isinstance(layout, Mask):
             scale = check_tensors(q, k, v, scale, self.dtype, self.config.head_dim)
@@ -394,13 +394,14 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
-    descale: tuple[float, float, float] | None = None,
+    descale: tuple[float | torch.Tensor, float | torch.Tensor, float | torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Masked attention for `rules` over `layout` (or over a mask, which carries its rules); builds the
     variant on first use (cached in-process).
 
     q, k, v in torch.float8_e4m3fn (CUDA, Hopper, head dim 128) run the FP8 forward: bf16 out, no autograd,
-    `descale=(dq, dk, dv)` the per-tensor factors of the stored values (default 1).
+    `descale=(dq, dk, dv)` the per-tensor factors of the stored values (default 1): Python numbers, or one-element
+    float32 tensors on q's device (read by the kernel: no recompilation under torch.compile when they change).
 
     CPU tensors (float32, float64, bfloat16 or float16) run a plan-driven PyTorch path instead of a kernel, for
     tests and debugging (op/cpu.py): the same arguments, checks, outputs and autograd, in O(S * D) memory, far

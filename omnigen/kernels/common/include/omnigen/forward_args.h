@@ -31,6 +31,7 @@ struct ForwardArgs {
   const uint32_t* partial_bits;
   int partial_slots;
   float value_scale;              // FP8 (e4m3) variants: V's descale, multiplied into O; other variants ignore it
+  const float* descale;           // FP8 (e4m3) variants: null, or (dq, dk, dv) in float32 on the device, read in place of the host's
 };
 
 // Implemented by the generated kernel file. Each returns 0 or a CUDA error code, and fills `message`
