@@ -51,7 +51,8 @@ def _descale_problems(descale: Any, device: torch.device) -> list[str]:
     if descale is None:
         return []
     if isinstance(descale, torch.Tensor) or not isinstance(descale, Sequence) or len(descale) != 3:
-        return [f"descale must be three positive numbers (dq, dk, dv), per-tensor factors, not {descale!r}"]
+        return [f"descale must be three positive numbers (dq, dk, dv), per-tensor factors, each a Python number or a "
+                f"one-element float32 tensor, not {descale!r}"]
     bad, tensors = [], []
     for name, value in zip(("dq", "dk", "dv"), descale):
         if isinstance(value, torch.Tensor):
@@ -61,8 +62,7 @@ def _descale_problems(descale: Any, device: torch.device) -> list[str]:
             bad.append(f"{name}={value!r}")
     problems = []
     if bad:
-        problems.append(f"descale must hold positive finite numbers (Python floats: per-tensor factors), got "
-                        f"{', '.join(bad)}")
+        problems.append(f"descale must hold positive finite numbers (per-tensor factors), got {', '.join(bad)}")
     if tensors:
         problems.append(f"a descale given as a tensor must be one float32 element on q's device ({device}), got "
                         f"{'; '.join(tensors)}")
