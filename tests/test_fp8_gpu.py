@@ -191,7 +191,8 @@ def test_the_fp8_forward_compiles_to_one_op_and_equals_eager(made_beforehand):
 def test_descales_on_the_device_match_numbers_and_never_recompile():
     """Descales given as one-element float32 tensors: the kernel reads them, so (a) out equals the numbers' call to
     float32 rounding of the factors' product, (b) torch.compile(fullgraph=True) compiles once for any values (numbers
-    recompile), and (c) a captured CUDA graph replays the values the tensors hold at replay."""
+    recompile), and (c) a captured CUDA graph replays the values the tensors hold at replay (numbers beside them
+    included)."""
     layout = omnigen.Layout.parse("text:300 image:256 text:200")
     (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=31)
     mask = omnigen.mask(TRANSFUSION, layout, "cuda", batch=2, head_dim=128, dtype=torch.float8_e4m3fn)
@@ -219,13 +220,17 @@ def test_descales_on_the_device_match_numbers_and_never_recompile():
         assert torch.equal(first, tensors)
         assert float((second.float() - expected.float()).abs().max()) <= 1e-2 * float(expected.float().abs().max())
 
+        # Numbers beside tensors: filled into the kernel's [3] on the device (capturable), the same bits.
+        mixed = (descale[0], factors[1], factors[2])
+        assert torch.equal(omnigen.attention(q8, k8, v8, mask, descale=mixed), tensors)
+        later = omnigen.attention(q8, k8, v8, mask, descale=(descale[0], factors[1] * 2, factors[2] * 2))
         graph = torch.cuda.CUDAGraph()
-        omnigen.attention(q8, k8, v8, mask, descale=tuple(factors))  # warm-up outside the capture
+        omnigen.attention(q8, k8, v8, mask, descale=mixed)  # warm-up outside the capture
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            replayed = omnigen.attention(q8, k8, v8, mask, descale=tuple(factors))
-        for f in factors:
-            f.mul_(2)
+            replayed = omnigen.attention(q8, k8, v8, mask, descale=mixed)
+        factors[1].mul_(2)
+        factors[2].mul_(2)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(replayed, second)
+        assert torch.equal(replayed, later)

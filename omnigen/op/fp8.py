@@ -75,8 +75,9 @@ def descale_tensor(descale: Sequence[Any] | None) -> torch.Tensor | None:
     if descale is None or not any(isinstance(x, torch.Tensor) for x in descale):
         return None
     device = next(x.device for x in descale if isinstance(x, torch.Tensor))
+    # Numbers by a fill, not a host-to-device copy: a CUDA graph can capture the one and not the other.
     return torch.stack([x.reshape(()) if isinstance(x, torch.Tensor)
-                        else torch.tensor(float(x), dtype=torch.float32, device=device) for x in descale])
+                        else torch.full((), float(x), dtype=torch.float32, device=device) for x in descale])
 
 
 def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale: Any) -> None:
