@@ -12,6 +12,9 @@ into another namespace or translation unit changes nothing here.
     python scripts/sass_compare.py --out /tmp/sass-after --against /tmp/sass-before \
         --shift forward_kernel@sm_90a:0x440:-0x80
 
+Each kernel's line also counts its local-memory instructions (LDL/STL) and, of those, the ones inside its step loops
+(`step_loop_local_memory`): issue 30 asks for none there.
+
 --shift KERNEL[@VARIANT]:FROM:DELTA compares that kernel (of the variants whose name contains VARIANT) as if its
 earlier parameters at c[0x0][FROM] and above had moved by DELTA bytes (a kernel parameter that grew or shrank;
 its CONSTANT[0] size too): the rest must match exactly.
@@ -80,6 +83,28 @@ def normalised_sass(text: str) -> dict[str, list[str]]:
         if match and current is not None:
             current.append(re.sub(r"\s+", " ", match.group(1)).strip())
     return out
+
+
+TENSOR_OP = re.compile(r"\b(HGMMA|HMMA|QGMMA)\b")
+LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")
+
+
+def step_loop_local_memory(lines: list[str]) -> tuple[int, int]:
+    """(local-memory instructions, those inside a step loop) of a normalised kernel: instruction i sits at address
+    16 i. A loop is a branch back to an earlier address whose range holds no unpredicated EXIT (ptxas puts slow paths,
+    such as an mbarrier wait's retry, after the kernel's end and branches back from there: not loops); a step loop is
+    an innermost loop that issues tensor products (a persistent grid's loop over work tiles is not, it holds them)."""
+    loops = []
+    for i, line in enumerate(lines):
+        match = re.search(r"\bBRA (0x[0-9a-f]+)", line)
+        if match and int(match.group(1), 16) // 16 <= i:
+            loops.append((int(match.group(1), 16) // 16, i))
+    exits = [i for i, line in enumerate(lines) if line == "EXIT"]
+    products = [i for i, line in enumerate(lines) if TENSOR_OP.search(line)]
+    loops = [(a, b) for a, b in loops if not any(a <= e <= b for e in exits) and any(a <= p <= b for p in products)]
+    innermost = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+    local = [i for i, line in enumerate(lines) if LOCAL_MEMORY.search(line)]
+    return len(local), sum(1 for i in local if any(a <= i <= b for a, b in innermost))
 
 
 def resource_usage(text: str) -> dict[str, str]:
@@ -198,13 +223,17 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / file_name(entry["variant"], kernel)).write_text("\n".join(lines) + "\n")
         usage[entry["variant"]] = entry["usage"]
         print(f"{entry['variant']:60s} " + ", ".join(f"{k} {len(v)}" for k, v in sorted(entry["sass"].items())))
+        local = {k: step_loop_local_memory(v) for k, v in sorted(entry["sass"].items())}
+        if any(total for total, _ in local.values()):
+            print(f"{'':60s} local memory (in step loops): " +
+                  ", ".join(f"{k} {total} ({inside})" for k, (total, inside) in local.items() if total))
     (args.out / "usage.json").write_text(json.dumps(usage, indent=1, sort_keys=True))
     if args.against is None:
         return 0
     before_usage = json.loads((args.against / "usage.json").read_text())
     shift_specs = []
     for text in args.shift:
-        kernel, start, delta = text.split(":")
+        kernel, start, delta = text.rsplit(":", 2)  # (VARIANT may hold colons)
         kernel, _, where = kernel.partition("@")
         shift_specs.append((re.sub(r"[^A-Za-z0-9_.-]+", "_", kernel), where, int(start, 16), int(delta, 16)))
     differences = 0

@@ -1,0 +1,43 @@
+"""scripts/sass_compare.py's count of local memory in step loops, on a hand-written listing (one instruction a line
+from address 0, 16 bytes each, as the script normalises cuobjdump's SASS)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sass_compare.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("sass_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LISTING = [
+    "STL [R1], R2",                              # 0: set-up spill, before any loop
+    "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ",  # 1: outer loop (work tiles) starts here
+    "LDL R3, [R1]",                              # 2: in the outer loop, not in a step loop
+    "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24",  # 3: step loop starts here
+    "LDL R4, [R1+0x4]",                          # 4: inside the step loop
+    "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6], R5",  # 5
+    "@!P0 BRA 0xb0",                             # 6: to the slow path (forward)
+    "@P1 BRA 0x30",                              # 7: the step loop's back edge (to 3)
+    "@P2 BRA 0x10",                              # 8: the outer loop's back edge (to 1)
+    "EXIT",                                      # 9
+    "STL [R1+0x8], R6",                          # 10: after the end
+    "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6], R5",  # 11: slow path of the wait at 5
+    "@!P0 BRA 0xb0",                             # 12: its own retry (a loop without products)
+    "BRA 0x70",                                  # 13: back into the body (to 7): not a loop, the range holds EXIT
+]
+
+
+def test_only_local_memory_in_innermost_loops_with_products_counts():
+    total, in_step_loops = _script().step_loop_local_memory(LISTING)
+    assert (total, in_step_loops) == (4, 1)
+
+
+def test_a_listing_without_loops_has_no_step_loop_local_memory():
+    assert _script().step_loop_local_memory(["LDL R1, [R1]", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "EXIT"]) == (1, 0)
