@@ -687,6 +687,7 @@ def reorder(
         movable = n if S % g == 0 else n - 1  # a short last atom stays last (tiles stay aligned)
         twin = _distinct_elements(any_, all_)
         made_for = {a: _atom_candidates(any_[a].cpu().numpy(), movable) for a in dict.fromkeys(twin)}
+        weight = {a: twin.count(a) for a in made_for}  # batch elements each distinct one stands for
         names = [name for name in made_for[0]  # (element 0 is always planned)
                  if method == "auto" or name == method or name.endswith("+" + method)]
         names = [name for name in names if all(name in c for c in made_for.values())]
@@ -695,9 +696,10 @@ def reorder(
             if all(np.array_equal(c[name], identity) for c in made_for.values()):
                 continue
             moved = {a: torch.from_numpy(c[name]).to(source.device) for a, c in made_for.items()}  # once each
-            estimate = {s: sum(twin.count(a) * _estimated_tiles(any_[a], all_[a], p, g, S, s[0], s[1], costs)
+            estimate = {s: sum(weight[a] * _estimated_tiles(any_[a], all_[a], p, g, S, s[0], s[1], costs)
                                for a, p in moved.items()) for s in shapes}
-            tokens = torch.stack([_tokens(moved[a], g, S) for a in twin])
+            orders = {a: _tokens(p, g, S) for a, p in moved.items()}
+            tokens = torch.stack([orders[a] for a in twin])
             proposals[name], estimates[name] = (tokens, None, estimate), estimate[first]
 
     result = Reordering(False, "", candidates=dict(estimates), original=mask)
