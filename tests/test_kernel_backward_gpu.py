@@ -353,6 +353,29 @@ def test_sm90_split_scores_speed_report():
                   batch=2, deterministic_too=False)
 
 
+# ---- d256's dQ in pairs of CTAs (the paired_dq option, on by default; issue 30): kv-tiles 2i and 2i + 1 run as a
+# cluster of two and trade dS^T where their columns list the same query rows, else add dQ alone. The split-scores
+# tests above run it on every case (pairs in step, pairs apart, and kv-tiles alone: tests/test_sm90_paired_dq.py
+# counts them); here long causal columns (every pair in step, many phases of the peer's barriers, the last kv-tile
+# alone) and the option off.
+PAIRED_DQ_CASES = [("causal_1950", TRANSFUSION, ["text:1950"], 2, 2),
+                   ("causal_gqa_two_docs", TRANSFUSION, ["text:1100 text:900@1", "text:2000"], 4, 2)]
+
+
+@pytest.mark.parametrize("options", [{}, {"paired_dq": False}], ids=["paired", "alone"])
+@pytest.mark.parametrize("case", PAIRED_DQ_CASES + [c for c in CASES if c[0] in ("pad_docs_strided",
+                                                                                   "misaligned_images_1000",
+                                                                                   "short_segments")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_paired_dq_d256(case, options):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    _check_case(rules, layout_texts, Hq, Hkv, 256, "bf16", strided=name == "pad_docs_strided", deterministic=False,
+                name=name, family="sm90", options=options or None)
+
+
 # ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (the ordered_dq option, on by default;
 # with it off, the module has no deterministic mode).
 

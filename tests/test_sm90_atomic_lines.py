@@ -91,7 +91,7 @@ def test_every_value_lands_once_at_its_own_row_and_column(columns):
         assert value == ("v", row, column)
 
 
-@pytest.mark.parametrize("columns", [32, 128])
+@pytest.mark.parametrize("columns", [32, 64, 128])
 def test_each_atomic_instruction_adds_four_whole_lines(columns):
     _, instructions = emulate(columns, row_end=16)
     assert len(instructions) == 2 * 2 * (columns // 32)
@@ -123,5 +123,8 @@ def test_the_rendered_kernel_uses_the_emulated_formulas():
             "float* at = lines + int64_t(row) * row_stride + 32 * pair;",
             "if (row < row_end) omnigen::atomic_add_four(at, odd_quad ? got : kept);",
             "if (row + 1 < row_end) omnigen::atomic_add_four(at + row_stride, odd_quad ? kept : got);",
-            "add_rows_atomically<kDqColumns, kHalves>(dq, args.dq_accum + row_base * kHeadDim + warpgroup * kDqColumns, kHeadDim,"):
+            "add_rows_atomically<kColumns, kHalves>(dq, args.dq_accum + row_base * kHeadDim + first_column, kHeadDim,",
+            # the head dims a warpgroup adds: alone, its half (128); paired dQ, a quarter (64) per round
+            "add_atomically<kDqColumns>(dq, row_start, warpgroup * kDqColumns);",
+            "add_atomically<kPairColumns, 1>(dq, row_start, box * kPairColumns);"):
         assert text in backward, text

@@ -50,6 +50,8 @@ class Sm90Family(KernelFamily):
         shape = "64 keys, head dims split between the warpgroups" if r.hopper_split_columns else "128 keys"
         if r.hopper_split_scores:
             shape += ", scores split by query columns"
+        if r.hopper_paired_dq:
+            dq += " over kv-tile pairs (clusters of two trading dS^T) where their rows agree"
         deterministic = r.deterministic_problems()
         mode = "the same kernel, dQ added in kv-tile order" if not deterministic else "none (" + "; ".join(deterministic) + ")"
         return f"Hopper dK/dV kernel ({shape}, dQ by {dq}); deterministic: {mode}"
@@ -89,6 +91,7 @@ class Sm90Family(KernelFamily):
             "deterministic_problem": deterministic_problem,
             "hopper_split_columns": r.hopper_split_columns,
             "hopper_split_scores": r.hopper_split_scores,
+            "hopper_paired_dq": r.hopper_paired_dq,
             "hopper_score_columns": r.hopper_score_columns,  # S^T / dP^T query columns per warpgroup
             "hopper_slice_columns": config.head_dim // 2 if r.hopper_split_columns else config.head_dim,  # dK/dV per warpgroup
             "ordered_dq": r.hopper_ordered_dq,

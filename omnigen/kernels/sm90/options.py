@@ -36,6 +36,13 @@ class HopperOptions(KernelOptions):
     # so it serialised every one (C7512). On: the d256 backward 1.18x faster on an H100 ("d256's backward with split
     # scores, timed").
     split_scores: bool = True
+    # With split scores, CTAs on kv-tiles 2i and 2i + 1 run as a cluster of two wherever their columns of the schedule
+    # list the same query rows: each sends the other its dS^T of every step (8 KB, a bulk copy into the peer's shared
+    # memory) and adds dQ for half the head dims over both CTAs' 128 keys, which halves dQ's atomic bytes, the bound
+    # of the d256 backward (Nsight: the crossbar into L2 82% busy). Pairs whose rows differ add dQ alone. To make room
+    # (the peer's K for these head dims, its dS^T twice), dO has one stage, freed as soon as the step's dV is in, and
+    # P^T and dS^T share a ring of three slots ("d256: dQ in pairs of CTAs").
+    paired_dq: bool = True
     # Deterministic mode on the Hopper kernel: dQ added by TMA reduce-add in kv-tile order (a per-(batch, head,
     # 64 rows) counter); off, the module has no deterministic mode ("Deterministic mode: the ordered grid in
     # sections of heads").

@@ -145,6 +145,12 @@ class Resources:
         return HOPPER_STEP_ROWS // 2 if self.hopper_split_scores else HOPPER_STEP_ROWS
 
     @property
+    def hopper_paired_dq(self) -> bool:
+        """Whether the split-scores backward runs kv-tiles 2i and 2i + 1 as a cluster of two that trade dS^T and each
+        add dQ for half the head dims over both CTAs' keys (the paired_dq option)."""
+        return self.options.paired_dq and self.hopper_split_scores
+
+    @property
     def hopper_tma_dq(self) -> bool:
         """Whether the module's Hopper backward adds dQ by TMA reduce-add from staged boxes (not with split
         columns: their dQ goes by per-thread atomics) -- what ordered dQ and the writer warp build on."""
@@ -191,19 +197,25 @@ class Resources:
 
     @property
     def hopper_shared_storage_bytes(self) -> int:
-        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step, two dS^T buffers (split scores: one
-        dS^T and two P^T), the step's dQ (fp32, on its way to TMA; none with split columns, whose dQ goes by atomics),
-        stages x the rows' tables (lse, Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
+        """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step (paired dQ: one dO), two dS^T buffers
+        (split scores: one dS^T and two P^T; paired dQ: three slots for both), the step's dQ (fp32, on its way to TMA;
+        none with split columns, whose dQ goes by atomics), paired dQ's peer tiles, stages x the rows' tables (lse,
+        Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
         t = self.config.tile
         kv = t.block_n * 128 * self.boxes
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
         ds = t.block_n * HOPPER_STEP_ROWS * 2
-        score_buffers = 3 if self.hopper_split_scores else 2  # dS^T x 2, or dS^T + P^T x 2
+        # dS^T x 2; split scores: dS^T + P^T x 2, or (paired dQ) a ring of three P^T / dS^T slots
+        score_buffers = 3 if self.hopper_split_scores else 2
         dq = 0 if self.hopper_split_columns else HOPPER_STEP_ROWS * self.config.head_dim * 4
         stages = self.hopper_stages
+        d_o_stages = 1 if self.hopper_paired_dq else stages
+        # paired dQ: the peer's dS^T of two steps, and its K rows for this CTA's half of the head dims
+        peer = 2 * ds + kv // 2 if self.hopper_paired_dq else 0
         tables = stages * 5 * HOPPER_STEP_ROWS * 4
-        barriers = 8 * (1 + 2 * stages)
-        return -(-(2 * kv + 2 * stages * rows + score_buffers * ds + dq + tables + barriers) // 1024) * 1024
+        barriers = 8 * (1 + 2 * stages + (4 if self.hopper_paired_dq else 0))  # paired: dO's full and empty, peer_full x 2
+        total = 2 * kv + (stages + d_o_stages) * rows + score_buffers * ds + dq + peer + tables + barriers
+        return -(-total // 1024) * 1024
 
     @property
     def hopper_stages(self) -> int:
