@@ -376,6 +376,44 @@ def test_sm90_paired_dq_d256(case, options):
                 name=name, family="sm90", options=options or None)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_paired_dq_under_a_cuda_graph():
+    """The paired backward's cluster launch captured in a CUDA graph: a replay gives eager's gradients (up to the order
+    of dQ's fp32 atomics), on a layout with pairs together and apart."""
+    _skip_unless_family_runs("sm90")
+    layout = omnigen.Layout.parse("text:200 image:300 text:12 image:100 text:412")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, d_o = (torch.randn(1, 2, layout.seq_len, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for _ in range(4))
+    mask = omnigen.mask(TRANSFUSION, layout, device="cuda", head_dim=256, dtype=torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        omnigen.attention(*leaves, mask).backward(d_o)
+        return [t.grad for t in leaves]
+
+    eager = [t.clone() for t in step()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for label, got, want in zip(("dq", "dk", "dv"), captured, eager):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"{label} replayed")
+
+
 # ---- deterministic mode on the Hopper backward: dQ added in kv-tile order (the ordered_dq option, on by default;
 # with it off, the module has no deterministic mode).
 
