@@ -93,11 +93,14 @@ def main() -> None:
                 for tile in args.tiles:
                     kernel = build(rules, dim, tile, args.family, options)
                     forward_ms = bench(lambda: kernel(q, k, v, layout))
+                    row = f"{rules_name:<12} {dim:>4} {S:>6} {tile.label:<14} {forward_ms:8.3f}"
+                    if not kernel.module.HAS_BACKWARD:  # a forward-only tile: its forward alone
+                        print(f"{row} {'-':>8} {flops / forward_ms * 1e-9:7.1f} {'-':>7} {'-':>7}", flush=True)
+                        continue
                     both_ms = bench(lambda: torch.autograd.grad(
                         kernel(q, k, v, layout, deterministic=args.deterministic), (q, k, v), d_o))
                     backward_ms = both_ms - forward_ms
-                    print(f"{rules_name:<12} {dim:>4} {S:>6} {tile.label:<14} {forward_ms:8.3f} {backward_ms:8.3f} "
-                          f"{flops / forward_ms * 1e-9:7.1f} {2.5 * flops / backward_ms * 1e-9:7.1f} "
+                    print(f"{row} {backward_ms:8.3f} {flops / forward_ms * 1e-9:7.1f} {2.5 * flops / backward_ms * 1e-9:7.1f} "
                           f"{3.5 * flops / both_ms * 1e-9:7.1f}", flush=True)
 
 
