@@ -1,7 +1,8 @@
 """d256's dQ in pairs of CTAs (the paired_dq option, issue 30) without a GPU: the shared-memory ring of P^T and dS^T
-slots (its formulas quoted from the rendered kernel) keeps every tile until its last reader is done, the schedule
-columns the kernel pairs are those whose query rows agree, the GPU tests' layouts hold pairs of both kinds and a
-kv-tile alone, and the resource model fits the sm_90a shared memory.
+slots (its formulas quoted from the rendered kernel) keeps every tile until its last reader is done, each warpgroup's
+head dims of dQ (paired: over both CTAs' keys; alone: two rounds) add up to the whole dQ, the schedule columns the
+kernel pairs are those whose query rows agree, the GPU tests' layouts hold pairs of both kinds and a kv-tile alone,
+and the resource model fits the sm_90a shared memory.
 
 The GPU tests of the same kernel: `pytest -m gpu tests/test_kernel_backward_gpu.py -k "split_scores or paired"`.
 """
@@ -142,3 +143,76 @@ def test_only_the_paired_kernel_launches_clusters():
     assert "wgmma.mma_async.sync.aligned.m64n64k16" in on and "wgmma.mma_async.sync.aligned.m64n64k16" not in off
     assert "kv-tile pairs" in FAMILY.describe_backward(d256())
     assert "kv-tile pairs" not in FAMILY.describe_backward(d256(paired_dq=False))
+
+
+# ---- which head dims each warpgroup adds, over which keys: the kernel's formulas (quoted from the rendered source by
+# test_the_rendered_kernel_uses_these_formulas) emulated on small matrices, whose dQ must come out whole.
+BOX = 64  # head dims of a K box (sm90::kBoxColumns), and of a warpgroup's paired dQ (kPairColumns at d256)
+
+
+def first_box(paired: bool, rank: int, warpgroup: int) -> int:
+    """Consumer's dq_box."""
+    return rank * 2 + warpgroup if paired else warpgroup
+
+
+def peer_k_columns(rank: int, box: int) -> int:
+    """The first head dim of peer_k's box `box` (produce: column = rank * (kHeadDim / 2) + box * kBoxColumns)."""
+    return rank * (256 // 2) + box * BOX
+
+
+def emulate_dq(ds: list, k: list, paired: bool, torch) -> object:
+    """dQ (queries x 256) added by the two CTAs of a pair, as paired_query_gradient computes and adds it: ds[r] is CTA
+    r's dS (queries x its 64 keys), k[r] its K rows (64 x 256)."""
+    dq = torch.zeros(ds[0].shape[0], 256, dtype=torch.float64)
+    for rank in (0, 1):
+        for warpgroup in (0, 1):
+            box = first_box(paired, rank, warpgroup)
+            part = ds[rank] @ k[rank][:, box * BOX:(box + 1) * BOX]  # this CTA's keys, K box dq_box
+            if paired:  # the peer's keys: peer_k's box `warpgroup`
+                peer = 1 - rank
+                first = peer_k_columns(rank, warpgroup)
+                part = part + ds[peer] @ k[peer][:, first:first + BOX]
+            if not paired:  # alone: the first round out, then box + 2 over this CTA's keys
+                dq[:, box * BOX:(box + 1) * BOX] += part
+                box += 2
+                part = ds[rank] @ k[rank][:, box * BOX:(box + 1) * BOX]
+            dq[:, box * BOX:(box + 1) * BOX] += part
+    return dq
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "alone"])
+def test_the_warpgroups_add_every_head_dim_of_dq_once_over_both_key_sets(paired):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(5)
+    ds = [torch.randn(64, 64, generator=g, dtype=torch.float64) for _ in range(2)]
+    k = [torch.randn(64, 256, generator=g, dtype=torch.float64) for _ in range(2)]
+    expected = ds[0] @ k[0] + ds[1] @ k[1]
+    torch.testing.assert_close(emulate_dq(ds, k, paired, torch), expected)
+
+
+MUTATIONS = {  # (paired, function, replacement): each sends some head dims' products to the wrong place
+    "peer box of the other warpgroup": (True, "peer_k_columns", lambda rank, box: rank * 128 + (1 - box) * BOX),
+    "peer half of the other rank": (True, "peer_k_columns", lambda rank, box: (1 - rank) * 128 + box * BOX),
+    "alone: boxes 2w, 2w + 2": (False, "first_box", lambda paired, rank, warpgroup: 2 * warpgroup),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_the_dq_emulation_fails_on_wrong_boxes(mutation, monkeypatch):
+    paired, name, replacement = MUTATIONS[mutation]
+    monkeypatch.setattr(sys.modules[__name__], name, replacement)
+    with pytest.raises(AssertionError):
+        test_the_warpgroups_add_every_head_dim_of_dq_once_over_both_key_sets(paired)
+
+
+def test_the_rendered_kernel_uses_these_formulas():
+    source = rendered_backward(d256())
+    for text in (
+            "paired ? int(sm90::cluster_rank()) * 2 + warpgroup : warpgroup};",  # first_box
+            "const int column = rank * (kHeadDim / 2) + box * sm90::kBoxColumns;",  # peer_k_columns
+            "issue_paired_query_gradient(dq, gradients, shared.k + dq_box * kKvBoxBytes, false);",
+            "issue_paired_query_gradient(dq, shared.peer_ds[buffer], shared.peer_k + warpgroup * kKvBoxBytes, true);",
+            "box += 2;",
+            "add_atomically<kPairColumns>(dq, row_start, box * kPairColumns);",
+            "constexpr int kPairColumns = kHeadDim / 4;"):
+        assert text in source, text
