@@ -33,7 +33,8 @@ FP8_BLOCK_N = (64, 128, 192)
 # registers a thread, so the CTA takes 64 keys and the warpgroups split the head dims ("split columns": the
 # option of that name): both compute the same S^T and dP^T (a sixth product per step, 7/5 of the tensor work),
 # each keeps dK and dV for its 128 head dims, and dQ goes to global memory by vector atomics (shared memory has
-# no room for a TMA staging buffer beside K, V and two stages of Q and dO: 192 of 227 KB).
+# no room for a TMA staging buffer beside K, V and two stages of Q and dO: 192 of 227 KB). With paired dQ (the
+# paired_dq option) kv-tiles 2i and 2i + 1 trade dS^T in a cluster of two and each adds half of dQ's head dims.
 HOPPER_BACKWARD_BLOCK_N = {64: 128, 128: 128, 256: 64}
 HOPPER_BACKWARD_HEAD_DIMS = tuple(HOPPER_BACKWARD_BLOCK_N)
 HOPPER_STEP_ROWS = 64  # query rows per backward step (one 128-byte swizzle period of dS^T)
