@@ -126,5 +126,5 @@ def test_the_rendered_kernel_uses_the_emulated_formulas():
             "add_rows_atomically<kColumns, kHalves>(dq, args.dq_accum + row_base * kHeadDim + first_column, kHeadDim,",
             # the head dims a warpgroup adds: alone, its half (128); paired dQ, a quarter (64) per round
             "add_atomically<kDqColumns>(dq, row_start, warpgroup * kDqColumns);",
-            "add_atomically<kPairColumns, 1>(dq, row_start, box * kPairColumns);"):
+            "add_under_next_scores<kPairColumns>(dq, row_start, box * kPairColumns, loaded, has_next);"):
         assert text in backward, text
