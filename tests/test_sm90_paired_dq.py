@@ -31,8 +31,7 @@ def d256(**options) -> KernelConfig:
 
 
 def rendered_backward(config: KernelConfig) -> str:
-    sources = codegen.render(TRANSFUSION, config)
-    return next(text for name, text in sources.items() if name.endswith("_backward.cu"))
+    return codegen.render(TRANSFUSION, config)[codegen.source_names(TRANSFUSION, config)["backward"]]
 
 
 def ring_formulas(source: str) -> tuple[str, str]:
