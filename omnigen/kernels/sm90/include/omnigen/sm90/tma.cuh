@@ -60,6 +60,17 @@ __device__ __forceinline__ void reduce_add_box(const CUtensorMap* map, const voi
       : "memory");
 }
 
+// `source` (one box as `map` describes it, in shared memory) written into global memory at (column, row, head,
+// batch) by the TMA unit; rows past the end of the tensor are dropped. Joins this thread's bulk async-group, like
+// reduce_add_box.
+__device__ __forceinline__ void store_box(const CUtensorMap* map, const void* source, int column, int row, int head,
+                                          int batch) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(shared_address(source)), "r"(column), "r"(row), "r"(head),
+                 "r"(batch)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // This thread's bulk groups but the newest `Pending` have read their shared memory (it may be rewritten).
