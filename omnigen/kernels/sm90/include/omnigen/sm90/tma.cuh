@@ -85,6 +85,15 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 
+// Four 8 x 8 matrices of 16-bit elements into shared memory (stmatrix .x4): this lane's register m holds row lane / 4,
+// elements 2 (lane % 4) and + 1, of matrix m, as an mma accumulator fragment does; lane 8 m + r gives the address of
+// row r of matrix m.
+__device__ __forceinline__ void store_matrices(uint32_t address, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+               ::"r"(address), "r"(m0), "r"(m1), "r"(m2), "r"(m3)
+               : "memory");
+}
+
 // Makes this thread's ordinary shared-memory stores visible to the TMA unit and wgmma (the async proxy).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
