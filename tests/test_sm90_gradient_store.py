@@ -26,6 +26,7 @@ from kernel_cases import TRANSFUSION  # noqa: E402
 KEYS_PER_WARPGROUP = 64
 BOX_COLUMNS = 64  # head dims of a box: 128 bytes of 16-bit elements
 ROW_BYTES = 128
+BOX_BYTES = 128 * ROW_BYTES  # a box of K's (V's) buffer: the CTA's 128 keys x 64 head dims
 
 
 def rendered_backward(head_dim: int) -> str:
@@ -66,13 +67,13 @@ def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | 
             # per k16: the four registers each lane gives stmatrix, and the row addresses lanes 8 m .. 8 m + 7 give
             for k16 in range(head_dim // 16):
                 first = evaluate(found["first"], k16=k16)
+                box = evaluate(found["box"], k16=k16)
                 registers, addresses = {}, {}
                 for lane in range(32):
                     matrix = lane // 8
                     row = evaluate(found["row"], warpgroup=warpgroup, warp=warp, matrix=matrix, lane=lane)
                     chunk = evaluate(found["chunk"], k16=k16, matrix=matrix, row=row)
-                    box = evaluate(found["box"], k16=k16)
-                    addresses[lane] = box * 128 * ROW_BYTES + row * ROW_BYTES + chunk * 16
+                    addresses[lane] = box * BOX_BYTES + row * ROW_BYTES + chunk * 16
                     tags = []
                     for index_pair in found["operands"]:
                         pair_tags = []
@@ -100,7 +101,7 @@ def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | 
                 row = 64 * warpgroup + r
                 for c in range(BOX_COLUMNS):
                     byte = 2 * c
-                    at = box * 128 * ROW_BYTES + row * ROW_BYTES + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
+                    at = box * BOX_BYTES + row * ROW_BYTES + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
                     out[row][box * BOX_COLUMNS + c] = buffer.get(at)
     return out
 
