@@ -80,7 +80,8 @@ def _binding_traits(binding: str) -> dict[str, object]:
     problem = re.search(r'constexpr const char\* kBackwardProblem = "(.*)";', binding).group(1)
     return {"has_backward": flag("kHasBackward"), "backward_problem": problem or None,
             "persistent_forward": flag("kPersistentForward"), "partial_bits": flag("kPartialBits"),
-            "ordered_dq": flag("kOrderedDq"), "group_dkdv": flag("kGroupDkdv")}
+            "ordered_dq": flag("kOrderedDq"), "group_dkdv": flag("kGroupDkdv"),
+            "dq_interleaved": flag("kDqInterleaved")}
 
 
 @pytest.mark.parametrize("rules_name, config", [
@@ -104,10 +105,13 @@ def test_the_binding_exports_the_familys_traits(rules_name, config):
     assert _binding_traits(binding) == asdict(traits)
     module = type("Module", (), {"HAS_BACKWARD": traits.has_backward, "BACKWARD_PROBLEM": traits.backward_problem,
                                  "PERSISTENT_FORWARD": traits.persistent_forward, "PARTIAL_BITS": traits.partial_bits,
-                                 "ORDERED_DQ": traits.ordered_dq, "GROUP_DKDV": traits.group_dkdv})
+                                 "ORDERED_DQ": traits.ordered_dq, "GROUP_DKDV": traits.group_dkdv,
+                                 "DQ_INTERLEAVED": traits.dq_interleaved})
     found = launch.capabilities(module)
     assert {name: getattr(found, name) for name in asdict(traits)} == asdict(traits)
     if config.forward_only:
         assert not traits.has_backward and "forward-only" in traits.backward_problem
+    # dQ staged by stmatrix (interleaved columns) in the Hopper backward; d256's split columns add it by atomics
+    assert traits.dq_interleaved == (config.arch == "sm_90a" and config.head_dim != 256 and not config.forward_only)
     if rules_name == "bits_only":
         assert traits.partial_bits

@@ -152,7 +152,16 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     if partials and not grouped:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
         dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2)
-    return dq_accum, dk.float(), dv.float()
+    return in_column_order(module, dq_accum), dk.float(), dv.float()
+
+
+def in_column_order(module, dq_accum):
+    """dQ's fp32 accumulator with its columns in order: a DQ_INTERLEAVED module's kernel leaves each group of 8 as
+    0, 2, 4, 6, 1, 3, 5, 7, which its conversion pass undoes (tests/test_sm90_dq_staging.py checks that pass)."""
+    if not getattr(module, "DQ_INTERLEAVED", False):
+        return dq_accum
+    B, H, S, D = dq_accum.shape
+    return dq_accum.view(B, H, S, D // 8, 2, 4).transpose(-1, -2).reshape(B, H, S, D)
 
 
 def _inputs(B, Hq, Hkv, S, D, dtype, strided):
@@ -709,6 +718,12 @@ def test_the_passes_around_the_backward_zero_dq_and_round_like_torch(built_varia
     assert convert_gradient(module, source, destination) is destination
     torch.cuda.synchronize()
     assert torch.equal(destination, source.to(DTYPES[dtype])), "the conversion differs from torch's rounding"
+    # dQ of the Hopper backward: each 8-column group's columns as 0, 2, 4, 6, 1, 3, 5, 7, put back in order
+    interleaved = source.view(B, H, S, head_dim // 8, 4, 2).transpose(-1, -2).reshape(B, H, S, head_dim)
+    destination.fill_(float("nan"))
+    assert convert_gradient(module, interleaved, destination, interleaved=True) is destination
+    torch.cuda.synchronize()
+    assert torch.equal(destination, source.to(DTYPES[dtype])), "the interleaved conversion misplaces columns"
 
 
 def _timed(fn):

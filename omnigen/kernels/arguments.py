@@ -253,6 +253,8 @@ CONVERT = LaunchStruct(
         _tensor("destination", "void*", "[batch, heads, seq_len, head_dim], the element type, last dim contiguous"),
         Strides("destination"),
         Field("batch", "int"), Field("heads", "int"), Field("seq_len", "int"),
+        Field("interleaved", "int", "1: each 8-column group of the source holds columns 0, 2, 4, 6, 1, 3, 5, 7 (dQ "
+              "of a module whose DQ_INTERLEAVED is set); 0: in order", binding="keyword", binding_type="bool"),
     ),
 )
 

@@ -142,7 +142,8 @@ class KernelFamily(ABC):
         return launch.VariantTraits(has_backward=has_backward, backward_problem=backward_problem,
                                     persistent_forward=bool(context["persistent"]),
                                     partial_bits=bool(context["partial_bits"]), ordered_dq=bool(context["ordered_dq"]),
-                                    group_dkdv=bool(context["group_dkdv"]))
+                                    group_dkdv=bool(context["group_dkdv"]),
+                                    dq_interleaved=has_backward and bool(context["dq_interleaved"]))
 
     # ---- launching a built module (inputs already checked by the op): the shared binding's arguments
 

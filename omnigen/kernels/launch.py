@@ -20,7 +20,7 @@ from .arguments import BACKWARD, CONVERT, DELTA, FORWARD, call_arguments
 class VariantTraits:
     """What a variant's module does besides the launches every module has. Its family states them when the variant
     is rendered (`KernelFamily.traits`), the binding exports them as the module's attributes (HAS_BACKWARD,
-    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV), and `capabilities` reads them back."""
+    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED), and `capabilities` reads them back."""
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
@@ -28,6 +28,7 @@ class VariantTraits:
     partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
     ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
     group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
+    dq_interleaved: bool  # the backward's fp32 dQ has each 8-column group as 0, 2, 4, 6, 1, 3, 5, 7 (convert_gradient)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ def capabilities(module: Any) -> Capabilities:
             has_backward=bool(getattr(module, "HAS_BACKWARD", hasattr(module, "backward"))),
             backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
             persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
-            ordered_dq=flag("ORDERED_DQ"), group_dkdv=flag("GROUP_DKDV"))
+            ordered_dq=flag("ORDERED_DQ"), group_dkdv=flag("GROUP_DKDV"),
+            dq_interleaved=flag("DQ_INTERLEAVED"))
         found = Capabilities(
             **asdict(traits),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
@@ -166,15 +168,21 @@ def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: tor
     module.backward_delta(*call_arguments(DELTA, values, _stream()), **keywords)
 
 
-def convert_gradient(module: Any, source: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
+def convert_gradient(module: Any, source: torch.Tensor, destination: torch.Tensor,
+                     interleaved: bool = False) -> torch.Tensor:
     """`destination` (the element type, [B, H, S, D], last dim contiguous) = `source` (float32, contiguous) by the
-    module's own pass (a plain copy for modules built without one)."""
+    module's own pass (a plain copy for modules built without one). `interleaved`: the source's columns lie in
+    each group of 8 as 0, 2, 4, 6, 1, 3, 5, 7 (the dQ of a module with `dq_interleaved`)."""
     if not capabilities(module).convert_launch:
+        if interleaved:
+            B, H, S, D = source.shape
+            source = source.view(B, H, S, D // 8, 2, 4).transpose(-1, -2).reshape(B, H, S, D)
         return destination.copy_(source)
     B, H, S, _ = source.shape
     values = {"source": source.data_ptr(), "destination": destination.data_ptr(),
               "destination_strides": destination.stride(), "batch": B, "heads": H, "seq_len": S}
-    module.backward_convert(*call_arguments(CONVERT, values, _stream()))
+    keywords = {"interleaved": True} if interleaved else {}
+    module.backward_convert(*call_arguments(CONVERT, values, _stream()), **keywords)
     return destination
 
 
@@ -246,4 +254,5 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     elif partials:
         dk.copy_(dk_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
         dv.copy_(dv_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
-    return convert_gradient(module, dq_accum, heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device)), dk, dv
+    dq = heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device)
+    return convert_gradient(module, dq_accum, dq, capabilities(module).dq_interleaved), dk, dv

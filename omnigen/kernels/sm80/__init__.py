@@ -45,6 +45,7 @@ class Sm80Family(KernelFamily):
             "mma_backward_problem": problem,
             "ordered_dq": False,  # deterministic mode: the dQ kernel overwrites dq_accum (the sm90 family's may add)
             "group_dkdv": False,  # GQA: dK/dV partials per query head, summed by the caller
+            "dq_interleaved": False,  # dQ's fp32 columns in order
             "persistent": False,  # the forward: one CTA per tile (the sm90 family's may loop over tiles)
             "partial_bits": False,  # partial tiles: the rules evaluated in the kernel (but see rules_context)
             "backward_problem": problem,

@@ -103,6 +103,8 @@ class Sm90Family(KernelFamily):
             "dq_in_turns": r.hopper_dq_in_turns,
             # GQA in atomic mode: each query head adds its dK/dV into its group's fp32 rows (the binding's GROUP_DKDV)
             "group_dkdv": not problems,
+            # dQ staged by stmatrix, its fp32 columns interleaved in groups of 8 (split columns add it by atomics)
+            "dq_interleaved": r.hopper_tma_dq,
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": r.hopper_stages,
             "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,

@@ -37,7 +37,7 @@ enum Schedule : int64_t {
 };
 
 // What a module reads besides the arguments every launch takes (omnigen/op/native/__init__.py: PERSISTENT_FORWARD...).
-enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8 };
+enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8, kDqInterleaved = 16 };
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
 // flags, launch ABI, convert].
@@ -278,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 
   // The fp32 gradients out in the element type, by the module's own pass: copy_'s strided TensorIterator kernel took
   // 203 us against its 137 for dQ at d128, B x S = 4 x 8K, 16 heads on an H100, and more host time.
-  auto convert = [&](const at::Tensor& source, const at::Tensor& destination) {
+  auto convert = [&](const at::Tensor& source, const at::Tensor& destination, bool interleaved) {
     omnigen::ConvertArgs convert_args{};
     convert_args.source = source.data_ptr<float>();
     convert_args.destination = destination.data_ptr();
@@ -286,17 +286,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     convert_args.destination_stride_s = destination.stride(2);
     convert_args.batch = int(source.size(0)), convert_args.heads = int(source.size(1));
     convert_args.seq_len = int(source.size(2));
+    convert_args.interleaved = interleaved ? 1 : 0;
     raise_unless_ok(choice.convert(convert_args, stream, message, sizeof message), message);
   };
   if (grouped) {
-    convert(dk_kernel, dk);
-    convert(dv_kernel, dv);
+    convert(dk_kernel, dk, false);
+    convert(dv_kernel, dv, false);
   } else if (partials) {
     dk.copy_(dk_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
     dv.copy_(dv_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
   }
   at::Tensor dq = heads_inner(B, Hq, S, D, q.options());
-  convert(dq_accum, dq);
+  convert(dq_accum, dq, (choice.flags & kDqInterleaved) != 0);
   return {dq, dk, dv};
 }
 

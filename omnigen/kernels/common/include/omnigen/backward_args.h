@@ -68,6 +68,7 @@ struct ConvertArgs {
   void* destination;    // [batch, heads, seq_len, head_dim], the element type, last dim contiguous
   int64_t destination_stride_b, destination_stride_h, destination_stride_s;
   int batch, heads, seq_len;
+  int interleaved;      // 1: each 8-column group of the source holds columns 0, 2, 4, 6, 1, 3, 5, 7 (dQ of a module whose DQ_INTERLEAVED is set); 0: in order
 };
 
 // Implemented by the generated backward kernel file; same conventions as forward_launch.

@@ -91,8 +91,12 @@ __global__ void __launch_bounds__(kConvertThreads) convert_kernel(const ConvertA
   const int head = int(batch_head % args.heads), batch = int(batch_head / args.heads);
   const float4* source = reinterpret_cast<const float4*>(args.source + row * kHeadDim + chunk * 8);
   const float4 low = __ldcs(source), high = __ldcs(source + 1);  // read once: not kept in L2
-  const uint4 packed = make_uint4(pack<Element>(low.x, low.y), pack<Element>(low.z, low.w),
-                                  pack<Element>(high.x, high.y), pack<Element>(high.z, high.w));
+  // Interleaved (the Hopper backward's dQ): low holds columns 0, 2, 4, 6 of the chunk and high 1, 3, 5, 7.
+  const uint4 packed = args.interleaved
+                           ? make_uint4(pack<Element>(low.x, high.x), pack<Element>(low.y, high.y),
+                                        pack<Element>(low.z, high.z), pack<Element>(low.w, high.w))
+                           : make_uint4(pack<Element>(low.x, low.y), pack<Element>(low.z, low.w),
+                                        pack<Element>(high.x, high.y), pack<Element>(high.z, high.w));
   Element* destination = static_cast<Element*>(args.destination) + batch * args.destination_stride_b +
                          head * args.destination_stride_h + position * args.destination_stride_s + chunk * 8;
   *reinterpret_cast<uint4*>(destination) = packed;

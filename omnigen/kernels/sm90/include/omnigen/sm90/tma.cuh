@@ -94,6 +94,14 @@ __device__ __forceinline__ void store_matrices(uint32_t address, uint32_t m0, ui
                : "memory");
 }
 
+// The same with one fp32 a register (as two 16-bit halves: a matrix row is then 4 fp32, lane l's at column l % 4).
+// Passed as f32 registers: a b32 copy of a wgmma accumulator made ptxas serialise the wgmmas in flight (C7514).
+__device__ __forceinline__ void store_matrices(uint32_t address, float m0, float m1, float m2, float m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+               ::"r"(address), "f"(m0), "f"(m1), "f"(m2), "f"(m3)
+               : "memory");
+}
+
 // Makes this thread's ordinary shared-memory stores visible to the TMA unit and wgmma (the async proxy).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
