@@ -132,12 +132,13 @@ def test_the_emulation_fails_on_wrong_addresses(mutation):
 
 
 def test_which_variants_store_by_tma():
-    """MHA's gradients (element type, one per kv head) go by TMA; GQA's fp32 ones by the consumers' stores, decided
-    on the host; split columns (d256) have no dK/dV maps and never take the path."""
+    """MHA's gradients (element type, one per kv head) go by TMA; GQA's fp32 ones by the consumers' stores (kernel and
+    host both decide by heads_q != heads_kv); split columns (d256) have no dK/dV maps and never take the path."""
     source = rendered_backward(128)
-    assert "maps.gradients_by_tma = args.heads_q == args.heads_kv;" in source
-    assert "if (gradients_by_tma(maps)) {" in source
+    assert "if (args.heads_q != args.heads_kv) return true;  // GQA's fp32 gradients" in source
+    assert "const bool partials = args.heads_q != args.heads_kv;\n    if constexpr (kDqByTma) {" in source
+    assert "      if (!partials) {\n        store_gradients_by_tma(maps);" in source
     assert "CUtensorMap q, k, v, d_o, dq, dk, dv;" in source
     d256 = rendered_backward(256)
     assert "constexpr bool kDqByTma = !kSplitColumns;" in d256 and "constexpr bool kSplitColumns = true;" in d256
-    assert "__device__ __forceinline__ bool gradients_by_tma(const TensorMapsOf<false>&) { return false; }" in d256
+    assert "const CUtensorMap* dk_map(const TensorMapsOf<false>&) { return nullptr; }" in d256
