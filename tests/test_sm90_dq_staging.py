@@ -23,6 +23,7 @@ from omnigen.targets import KernelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import TRANSFUSION  # noqa: E402
+from stmatrix_model import store_matrices  # noqa: E402
 
 ROW_BYTES = 128
 BOX_COLUMNS = 32  # fp32 columns of a box row
@@ -79,14 +80,9 @@ def staged_columns(columns: int, found: dict[str, object]) -> list[list[object]]
             for index in found["operands"]:
                 i = first + index
                 group, h, e = i // 4, (i % 4) // 2, i % 2
-                tags.append((lane // 4 + 8 * h, 8 * group + 2 * (lane % 4) + e))
+                tags.append([(lane // 4 + 8 * h, 8 * group + 2 * (lane % 4) + e)])  # one fp32 a register
             registers[lane] = tags
-        # stmatrix m8n8.x4 of 32-bit registers: matrix m's row r is lane 4 r + c's register m at bytes 4 c, c < 4,
-        # of the row lane 8 m + r addresses
-        for matrix in range(4):
-            for r in range(8):
-                for c in range(4):
-                    buffer[addresses[8 * matrix + r] + 4 * c] = registers[4 * r + c][matrix]
+        store_matrices(buffer, addresses, registers)
     # a TMA box of [16][32] fp32 with the 128-byte swizzle: element (r, c) at chunk (4 c / 16) ^ (r % 8) of row r
     out: list[list[object]] = [[None] * columns for _ in range(16)]
     for box in range(columns // BOX_COLUMNS):

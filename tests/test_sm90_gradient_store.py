@@ -22,6 +22,7 @@ from omnigen.targets import KernelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import TRANSFUSION  # noqa: E402
+from stmatrix_model import store_matrices  # noqa: E402
 
 KEYS_PER_WARPGROUP = 64
 BOX_COLUMNS = 64  # head dims of a box: 128 bytes of 16-bit elements
@@ -84,15 +85,7 @@ def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | 
                             pair_tags.append((key, 8 * group + 2 * (lane % 4) + e))
                         tags.append(pair_tags)
                     registers[lane] = tags
-                # stmatrix m8n8.x4: matrix m's row r comes from lane 4 r + c's register m (columns 2 c, 2 c + 1),
-                # written at the address lane 8 m + r gave
-                for matrix in range(4):
-                    for r in range(8):
-                        base = addresses[8 * matrix + r]
-                        for c in range(4):
-                            low, high = registers[4 * r + c][matrix]
-                            buffer[base + 4 * c] = low
-                            buffer[base + 4 * c + 2] = high
+                store_matrices(buffer, addresses, registers)
     # TMA store of box b, rows 64 w on: element (r, c) of the box sits at chunk (2 c / 16) ^ (r % 8) of its row
     out: list[list[object]] = [[None] * head_dim for _ in range(128)]
     for warpgroup in range(2):
