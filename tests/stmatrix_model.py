@@ -8,6 +8,12 @@ row. A register here is a list of the tags of what it holds: two 16-bit values (
 from __future__ import annotations
 
 
+def evaluate(expression: str, **names) -> int:
+    """A kernel's C integer expression, quoted from its source, with `names` bound (C's division of non-negative
+    integers is Python's //)."""
+    return eval(expression.replace(" / ", " // "), {}, names)
+
+
 def store_matrices(buffer: dict[int, object], addresses: dict[int, int], registers: dict[int, list[list[object]]]) -> None:
     """Writes one warp's stmatrix.x4 into `buffer` (byte offset -> tag), from each lane's row address and registers."""
     for matrix in range(4):

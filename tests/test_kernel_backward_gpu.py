@@ -29,7 +29,8 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import spill_allowance
 from omnigen.jit import cache
-from omnigen.kernels.launch import convert_gradient, heads_inner, launch_backward, launch_delta, launch_forward
+from omnigen.kernels.launch import (columns_in_order, convert_gradient, heads_inner, launch_backward, launch_delta,
+                                    launch_forward)
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.kernels.sm90 import resources as sm90_resources
@@ -158,10 +159,7 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
 def in_column_order(module, dq_accum):
     """dQ's fp32 accumulator with its columns in order: a DQ_INTERLEAVED module's kernel leaves each group of 8 as
     0, 2, 4, 6, 1, 3, 5, 7, which its conversion pass undoes (tests/test_sm90_dq_staging.py checks that pass)."""
-    if not getattr(module, "DQ_INTERLEAVED", False):
-        return dq_accum
-    B, H, S, D = dq_accum.shape
-    return dq_accum.view(B, H, S, D // 8, 2, 4).transpose(-1, -2).reshape(B, H, S, D)
+    return columns_in_order(dq_accum) if getattr(module, "DQ_INTERLEAVED", False) else dq_accum
 
 
 def _inputs(B, Hq, Hkv, S, D, dtype, strided):

@@ -23,7 +23,7 @@ from omnigen.targets import KernelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import TRANSFUSION  # noqa: E402
-from stmatrix_model import store_matrices  # noqa: E402
+from stmatrix_model import evaluate, store_matrices  # noqa: E402
 
 ROW_BYTES = 128
 BOX_COLUMNS = 32  # fp32 columns of a box row
@@ -56,10 +56,6 @@ def conversion_order() -> list[tuple[str, str]]:
     branch = text[text.index("args.interleaved"):]
     branch = branch[:branch.index(":")]
     return re.findall(r"(low|high)\.([xyzw])", branch)
-
-
-def evaluate(expression: str, **names) -> int:
-    return eval(expression.replace(" / ", " // "), {}, names)  # C's division of non-negative integers
 
 
 def staged_columns(columns: int, found: dict[str, object]) -> list[list[object]]:

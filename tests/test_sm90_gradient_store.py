@@ -22,7 +22,7 @@ from omnigen.targets import KernelConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import TRANSFUSION  # noqa: E402
-from stmatrix_model import store_matrices  # noqa: E402
+from stmatrix_model import evaluate, store_matrices  # noqa: E402
 
 KEYS_PER_WARPGROUP = 64
 BOX_COLUMNS = 64  # head dims of a box: 128 bytes of 16-bit elements
@@ -51,10 +51,8 @@ def formulas(source: str) -> dict[str, object]:
     return {"row": row, "chunk": chunk, "box": box, "operands": operands, "first": first}
 
 
-def evaluate(expression: str, **names) -> int:
-    # C's integer division on non-negative operands; the helpers as the kernel defines them without split columns
-    python = expression.replace(" / ", " // ")
-    return eval(python, {"key_block_of": lambda w: w, "kKeysPerWarpgroup": KEYS_PER_WARPGROUP}, names)
+# The row formula's helpers as the kernel defines them without split columns
+HELPERS = {"key_block_of": lambda w: w, "kKeysPerWarpgroup": KEYS_PER_WARPGROUP}
 
 
 def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | None]]:
@@ -72,7 +70,7 @@ def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | 
                 registers, addresses = {}, {}
                 for lane in range(32):
                     matrix = lane // 8
-                    row = evaluate(found["row"], warpgroup=warpgroup, warp=warp, matrix=matrix, lane=lane)
+                    row = evaluate(found["row"], **HELPERS, warpgroup=warpgroup, warp=warp, matrix=matrix, lane=lane)
                     chunk = evaluate(found["chunk"], k16=k16, matrix=matrix, row=row)
                     addresses[lane] = box * BOX_BYTES + row * ROW_BYTES + chunk * 16
                     tags = []

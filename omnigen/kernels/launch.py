@@ -168,16 +168,20 @@ def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: tor
     module.backward_delta(*call_arguments(DELTA, values, _stream()), **keywords)
 
 
+def columns_in_order(interleaved: torch.Tensor) -> torch.Tensor:
+    """[..., D] with each group of 8 columns stored as 0, 2, 4, 6, 1, 3, 5, 7 (a DQ_INTERLEAVED module's fp32 dQ),
+    put in order: what the module's conversion pass does on the GPU."""
+    *lead, D = interleaved.shape
+    return interleaved.reshape(*lead, D // 8, 2, 4).transpose(-1, -2).reshape(*lead, D)
+
+
 def convert_gradient(module: Any, source: torch.Tensor, destination: torch.Tensor,
                      interleaved: bool = False) -> torch.Tensor:
     """`destination` (the element type, [B, H, S, D], last dim contiguous) = `source` (float32, contiguous) by the
     module's own pass (a plain copy for modules built without one). `interleaved`: the source's columns lie in
     each group of 8 as 0, 2, 4, 6, 1, 3, 5, 7 (the dQ of a module with `dq_interleaved`)."""
     if not capabilities(module).convert_launch:
-        if interleaved:
-            B, H, S, D = source.shape
-            source = source.view(B, H, S, D // 8, 2, 4).transpose(-1, -2).reshape(B, H, S, D)
-        return destination.copy_(source)
+        return destination.copy_(columns_in_order(source) if interleaved else source)
     B, H, S, _ = source.shape
     values = {"source": source.data_ptr(), "destination": destination.data_ptr(),
               "destination_strides": destination.stride(), "batch": B, "heads": H, "seq_len": S}
