@@ -13,6 +13,11 @@ public API only), run with PYTHONPATH set to each tree and a kernel cache of its
 `.` as OLD_TREE with `--new-options` to time an option against the same code). Rounds alternate old, new, old, ...
 so that a drift of the GPU's clock falls on both. The table's change is the mean of the new rounds over the mean
 of the old ones; `all below` / `all above` marks rows where every new figure is below (above) every old one.
+
+Separate processes put each tree's figures several percent apart from round to round (an H100's clock under
+load, each process's own memory): too coarse for a 1-2% change. `--paired N` times both trees' modules in one
+process instead, this tree's launch code calling either (the trees must share the launch ABI), in N batches each
+taking turns, and reports the median of the batches' paired changes with their quartiles.
 """
 from __future__ import annotations
 
@@ -72,11 +77,25 @@ def run(tree: str, bench_args: list[str], cache: str) -> str:
     return done.stdout
 
 
+def paired(trees: dict[str, tuple[str, list[str], str]], batches: int, json_path: Path | None) -> str:
+    """The old tree's module files (its own build, --print-modules), then this tree's bench_backward.py timing them
+    beside the new tree's modules in one process (--against)."""
+    old_tree, old_args, old_cache = trees["old"]
+    new_tree, new_args, new_cache = trees["new"]
+    modules = Path(new_cache) / "old-modules.jsonl"
+    modules.parent.mkdir(parents=True, exist_ok=True)
+    modules.write_text(run(old_tree, [*old_args, "--print-modules"], old_cache))
+    extra = ["--against", str(modules), "--alternations", str(batches)] + (["--json", str(json_path)] if json_path else [])
+    return run(new_tree, [*new_args, *extra], new_cache)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old", help="the old source tree (a folder holding the omnigen package)")
     parser.add_argument("--new", default=".", help="the new source tree (default: this one)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--paired", type=int, metavar="N", default=0,
+                        help="time both trees' modules in one process, N batches each in turns (instead of rounds)")
     parser.add_argument("--new-options", nargs="+", default=[], metavar="NAME=VALUE",
                         help="sm90 options for the new tree's runs only (bench_backward.py's --options)")
     parser.add_argument("--cache", default="/tmp/ab-trees", help="kernel caches: CACHE-old and CACHE-new")
@@ -98,6 +117,11 @@ def main() -> None:
     with ThreadPoolExecutor(2) as pool:
         built = list(pool.map(lambda t: run(t[0], [*t[1], "--build-only"], t[2]), trees.values()))
     print("".join(built), end="", flush=True)
+    if args.paired:
+        print(f"\none process, {args.paired} batches of each tree in turns; old = {args.old}, new = {args.new}"
+              + (f" with {' '.join(args.new_options)}" if args.new_options else ""), flush=True)
+        print(paired(trees, args.paired, args.json), end="", flush=True)
+        return
     rounds: dict[str, list[dict]] = {"old": [], "new": []}
     for number in range(1, args.rounds + 1):
         for name, (tree, tree_args, cache) in trees.items():

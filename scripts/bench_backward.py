@@ -8,11 +8,17 @@ B * S = --tokens, bf16. Prints milliseconds and effective TFLOP/s (allowed pairs
 the forward FLOPs).
 
     python3 scripts/bench_backward.py --tiles 128x64w4 64x128w4 --dims 128 --sizes 8192 32768
+
+`--print-modules` builds and prints each (rules, dim, tile) module's file as a JSON line; `--against FILE` (such
+lines from another tree) times that tree's modules and this tree's in one process, alternating call batches, and
+prints each figure's paired change (scripts/ab_trees.py --paired runs both for you).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -69,9 +75,27 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="time the backward's deterministic mode")
     parser.add_argument("--build-only", action="store_true",
                         help="build every (rules, dim, tile) module at once (threads; nvcc in parallel) and exit")
+    parser.add_argument("--print-modules", action="store_true",
+                        help="build every (rules, dim, tile) module and print its file as a JSON line, then exit")
+    parser.add_argument("--against", type=Path, metavar="FILE",
+                        help="another tree's --print-modules lines: time its modules beside this tree's, alternating")
+    parser.add_argument("--alternations", type=int, default=12,
+                        help="with --against: timed batches of each tree per figure (default 12)")
+    parser.add_argument("--json", type=Path, help="with --against: write every batch's figures here")
     add_options_option(parser)
     args = parser.parse_args()
     options = parse_options(parser, args.options)
+    if args.print_modules:
+        for rules_name in args.rules:
+            for dim in args.dims:
+                for tile in args.tiles:
+                    module = build(RULES[rules_name], dim, tile, args.family, options).module
+                    print(json.dumps({"rules": rules_name, "dim": dim, "tile": tile.label, "file": module.__file__,
+                                      "name": module.__name__}), flush=True)
+        return
+    if args.against:
+        paired(args, options)
+        return
 
     if args.build_only:
         from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +126,74 @@ def main() -> None:
                     backward_ms = both_ms - forward_ms
                     print(f"{row} {backward_ms:8.3f} {flops / forward_ms * 1e-9:7.1f} {2.5 * flops / backward_ms * 1e-9:7.1f} "
                           f"{3.5 * flops / both_ms * 1e-9:7.1f}", flush=True)
+
+
+def load_other_module(line: dict, kernel):
+    """The other tree's module of `line` (--print-modules), wrapped as this tree's Kernel of the same config; it must
+    speak this tree's launch ABI (the binding's entry points and argument records)."""
+    from omnigen.jit.cache import import_extension
+    from omnigen.op.kernel import Kernel
+
+    module = import_extension(Path(line["file"]), line["name"])
+    ours, theirs = getattr(kernel.module, "LAUNCH_ABI", None), getattr(module, "LAUNCH_ABI", None)
+    if ours != theirs:
+        raise SystemExit(f"{line['file']}: launch ABI {theirs}, this tree's {ours}: time the trees in separate "
+                         "processes (ab_trees.py without --paired)")
+    return Kernel(kernel.rules, kernel.config, module)
+
+
+def paired_ms(functions: dict[str, callable], alternations: int) -> dict[str, list[float]]:
+    """Milliseconds a call of each function, `alternations` batches each (do_bench's median over ~40 ms), the
+    functions taking turns and swapping who goes first every batch: a drift of the clock falls on both alike."""
+    from triton.testing import do_bench
+
+    names = list(functions)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for batch in range(alternations):
+        for name in names if batch % 2 == 0 else names[::-1]:
+            times[name].append(do_bench(functions[name], warmup=5, rep=40, return_mode="median"))
+    return times
+
+
+def paired_change(old: list[float], new: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of the batches' new / old - 1: the change and its spread."""
+    ratios = sorted(b / a - 1 for a, b in zip(old, new))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(ratios), quartiles[0], quartiles[2]
+
+
+def paired(args, options: dict) -> None:
+    """--against: each figure of the other tree's module (old) and this tree's (new), timed in turns."""
+    found = [json.loads(line) for line in args.against.read_text().splitlines() if line.startswith("{")]
+    lines = {(d["rules"], d["dim"], d["tile"]): d for d in found}
+    print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'pass':<8} {'old ms':>8} {'new ms':>8} {'change':>7} "
+          f"{'quartiles':>16}")
+    record = []
+    for rules_name in args.rules:
+        rules = RULES[rules_name]
+        for dim in args.dims:
+            for S in args.sizes:
+                B, layout = standard_batch(rules, S, args.tokens, seed=0)
+                q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0, heads_kv=args.heads_kv)
+                for tile in args.tiles:
+                    new = build(rules, dim, tile, args.family, options)
+                    old = load_other_module(lines[(rules_name, dim, tile.label)], new)
+                    passes = {"forward": {name: (lambda kernel=kernel: kernel(q, k, v, layout))
+                                          for name, kernel in (("old", old), ("new", new))}}
+                    if new.module.HAS_BACKWARD:
+                        passes["fwd+bwd"] = {name: (lambda kernel=kernel: torch.autograd.grad(
+                            kernel(q, k, v, layout, deterministic=args.deterministic), (q, k, v), d_o))
+                            for name, kernel in (("old", old), ("new", new))}
+                    for pass_name, functions in passes.items():
+                        times = paired_ms(functions, args.alternations)
+                        change, low, high = paired_change(times["old"], times["new"])
+                        print(f"{rules_name:<12} {dim:>4} {S:>6} {tile.label:<14} {pass_name:<8} "
+                              f"{statistics.median(times['old']):8.3f} {statistics.median(times['new']):8.3f} "
+                              f"{100 * change:+6.2f}% [{100 * low:+.2f}, {100 * high:+.2f}]", flush=True)
+                        record.append({"rules": rules_name, "dim": dim, "S": S, "tile": tile.label, "pass": pass_name,
+                                       **times})
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,40 @@ def test_a_tree_without_omnigen_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ab_trees.py", str(tmp_path), "--", "--dims", "64"])
     with pytest.raises(SystemExit):
         ab_trees.main()
+
+
+def test_paired_mode_times_the_old_trees_modules_in_the_new_trees_process(tmp_path, monkeypatch, capsys):
+    for tree in ("old", "new"):
+        (tmp_path / tree / "omnigen").mkdir(parents=True)
+        (tmp_path / tree / "omnigen" / "__init__.py").write_text("")
+    calls = []
+    module_line = '{"rules": "causal", "dim": 64, "tile": "m128n128w12s2", "file": "/x.so", "name": "x"}\n'
+
+    def fake_run(tree, bench_args, cache):
+        calls.append((Path(tree).name, bench_args, cache))
+        if "--build-only" in bench_args:
+            return "built 1 modules\n"
+        return module_line if "--print-modules" in bench_args else "paired table\n"
+
+    monkeypatch.setattr(ab_trees, "run", fake_run)
+    cache = str(tmp_path / "ab")
+    monkeypatch.setattr(sys, "argv", ["ab_trees.py", str(tmp_path / "old"), "--new", str(tmp_path / "new"),
+                                      "--paired", "8", "--cache", cache, "--new-options", "early_scores=0", "--",
+                                      "--dims", "64"])
+    ab_trees.main()
+    timed = [(name, args, c) for name, args, c in calls if "--build-only" not in args]
+    assert [name for name, _, _ in timed] == ["old", "new"]  # the module list, then one timing process
+    assert timed[0][1] == ["--dims", "64", "--print-modules"] and timed[0][2] == cache + "-old"
+    listed = Path(cache + "-new") / "old-modules.jsonl"
+    assert listed.read_text() == module_line
+    assert timed[1][1] == ["--dims", "64", "--options", "early_scores=0", "--against", str(listed),
+                           "--alternations", "8"]
+    assert "paired table" in capsys.readouterr().out
+
+
+def test_a_paired_change_is_the_median_of_the_batches_ratios():
+    import bench_backward
+
+    change, low, high = bench_backward.paired_change([2.0, 2.2, 2.0, 1.8], [1.9, 2.09, 2.0, 1.8])
+    assert change == pytest.approx(-0.025)  # ratios -5%, -5%, 0, 0
+    assert low <= change <= high and low == pytest.approx(-0.05) and high == pytest.approx(0.0)
