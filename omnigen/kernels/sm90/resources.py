@@ -121,7 +121,7 @@ class Resources:
         kv = t.block_n * self.row_bytes
         tables = t.stages * 3 * t.block_n * 4
         barriers = 8 * (2 + 4 * t.stages + 4)
-        slots = 2 * 4
+        slots = 2 * 48  # the persistent grid's two handed tiles (HandedTile: 12 int32)
         return -(-(q + 2 * t.stages * kv + tables + barriers + slots) // 1024) * 1024
 
     @property
