@@ -134,7 +134,7 @@ def test_persistent_scheduling_is_an_option(persistent):
     forward, binding = sources[names["kernel"]], sources[names["binding"]]
     assert f"constexpr bool kPersistent = {'true' if persistent else 'false'};" in forward
     assert f"constexpr bool kPersistentForward = {'true' if persistent else 'false'};" in binding
-    for text in ("uint64_t q_empty;", "int32_t next_tile[2];", "atomicAdd(args.tile_counter, 1)",
+    for text in ("uint64_t q_empty;", "HandedTile next_tile[2];", "atomicAdd(args.tile_counter, 1)",
                  "cudaDevAttrMultiProcessorCount", "cudaDevAttrL2CacheSize",
                  f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}"):
         assert text in forward, text
@@ -293,6 +293,20 @@ def test_a_deeper_backward_ring_per_head_dim(head_dim, stages):
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert f"constexpr int kStages = {stages};" in backward
     assert f"static_assert(sizeof(SharedStorage) == {r.hopper_shared_storage_bytes}," in backward
+
+
+def test_softmax_chains_render_independent_chains_and_default_to_one():
+    """The softmax_chains option: the forward's softmax state takes it as its chain count (1 by default: today's single
+    chains, the same module); a power of two up to 8, else a problem that names the option."""
+    def forward(config):
+        return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+
+    assert hopper(128, softmax_chains=1) == hopper(128)
+    assert "omnigen::RowPairSoftmax<kBlockN / 2, 1>;" in forward(hopper(128))
+    assert "omnigen::RowPairSoftmax<kBlockN / 2, 4>;" in forward(hopper(64, softmax_chains=4))
+    assert not kernels.problems(hopper(64, softmax_chains=4))
+    for wrong in (3, 0, 16):
+        assert any("softmax_chains must be 1, 2, 4 or 8" in p for p in kernels.problems(hopper(128, softmax_chains=wrong)))
 
 
 def test_dq_in_turns_renders_a_whole_width_dq_product_at_d64_only():

@@ -25,6 +25,10 @@ class HopperOptions(KernelOptions):
     # Partial tiles (forward) and partial steps (backward) read their mask as bits made once per layout where the
     # mask holds them, instead of evaluating the rules per head ("Partial tiles' masks as bits made once per layout").
     partial_bits: bool = True
+    # Each row's max and sum of a kv-step in this many independent chains (1, 2, 4 or 8), combined in pairs at the
+    # end, instead of one chain of 32 dependent FMNMX and 32 FADD a row at block_n 128. Not timed yet ("The
+    # softmax's dependent chains"): 1 renders today's code.
+    softmax_chains: int = 1
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
@@ -77,6 +81,8 @@ class HopperOptions(KernelOptions):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 out.append(f"option {name} must be an integer >= 0, not {value!r}")
+        if self.softmax_chains not in (1, 2, 4, 8) or isinstance(self.softmax_chains, bool):
+            out.append(f"option softmax_chains must be 1, 2, 4 or 8, not {self.softmax_chains!r}")
         if self.backward_stages == 1:
             out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
         return out
