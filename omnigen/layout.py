@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence, Union
 
@@ -618,6 +619,17 @@ def _unreadable(word: str) -> str:
 _GOOD_MODALITY_NAMES: set[str] = set()  # names already checked against _MODALITY_RE
 
 
+def _dynamo_tracing() -> bool:
+    """Whether TorchDynamo is tracing the caller. Then _GOOD_MODALITY_NAMES is left alone: a layout planned while
+    tracing (op/traced_layouts.py) fills it for real, which would fail the guard Dynamo put on it in the same trace.
+    (torch only where it is loaded already: this module does not import it.)"""
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
 def _check_segments(segments: tuple[Segment, ...]) -> int:
     """Raise ValueError on the first bad segment; return the number of tokens."""
     if not segments:
@@ -625,7 +637,7 @@ def _check_segments(segments: tuple[Segment, ...]) -> int:
     previous_doc = 0
     total = 0
     for index, (modality, length, doc) in enumerate(segments):
-        if modality not in _GOOD_MODALITY_NAMES:
+        if _dynamo_tracing() or modality not in _GOOD_MODALITY_NAMES:
             if not isinstance(modality, str) or not _MODALITY_RE.match(modality):
                 raise ValueError(f"segment {index}: modality must be a lowercase name like 'text', not {modality!r}")
             _GOOD_MODALITY_NAMES.add(modality)

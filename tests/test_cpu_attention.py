@@ -309,15 +309,57 @@ def test_peak_memory_at_16k_tokens_is_far_below_one_attention_matrix():
     assert grown < one_matrix / 8, f"peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
-def test_fullgraph_with_a_layout_stops_with_how_to_make_the_mask():
-    """A layout (not a mask) under torch.compile(fullgraph=True): planning is a host step the graph cannot hold, and
-    the one error says to make the mask outside the compiled function."""
-    layout = omnigen.Layout.parse("text:40 image:64 text:24@1")
-    q, k, v = _qkv(1, 2, 2, layout.seq_len, torch.float32)
-    step = torch.compile(lambda q, k, v: omnigen.attention(q, k, v, layout, RULES), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match=r"pass a mask made outside the compiled function, omnigen\.mask\(rules, "
-                                        r"layout, device\)"):
+def test_fullgraph_with_a_layout_plans_while_tracing():
+    """A layout (not a mask) under torch.compile(fullgraph=True): planned while Dynamo traces (op/traced_layouts.py),
+    one graph, forward and backward bit for bit eager's; a new layout traces anew (Dynamo guards on it), a layout seen
+    before does not. Without fullgraph the planning stays a graph break that plans at run time: no new trace for a
+    new layout."""
+    layouts = [omnigen.Layout.parse("text:40 image:64 text:24@1"), "image:50 text:78", omnigen.Layout.parse("text:128")]
+    q, k, v = _qkv(1, 2, 2, 128, torch.float32)
+    for tensor in (q, k, v):
+        tensor.requires_grad_(True)
+
+    def step(q, k, v, layout):
+        return omnigen.attention(q, k, v, layout, RULES).square().sum()
+
+    def eager(layout):
+        loss = step(q, k, v, layout)
+        return (loss, *torch.autograd.grad(loss, (q, k, v)))
+
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        graphs = []
+        compiled = torch.compile(step, fullgraph=fullgraph,
+                                 backend=lambda gm, _inputs: graphs.append(gm) or gm.forward)
+        for number, layout in enumerate([*layouts, layouts[0]]):
+            loss = compiled(q, k, v, layout)
+            got = (loss, *torch.autograd.grad(loss, (q, k, v)))
+            for a, b in zip(got, eager(layout)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            if fullgraph:  # one graph per distinct layout, the repeat from the cache
+                assert len(graphs) == min(number + 1, len(layouts)), (number, len(graphs))
+        if not fullgraph:  # the graphs around the break, traced once for every layout
+            assert len(graphs) == 2, len(graphs)
+
+
+def test_fullgraph_with_a_layout_that_does_not_fit_q_says_so():
+    """The call's checks run as they do eagerly, before planning while tracing: the eager call's message (inside
+    Dynamo's report of the exception, as every input error under torch.compile)."""
+    q, k, v = _qkv(1, 2, 2, 128, torch.float32)
+    with pytest.raises(ValueError) as eager:
+        omnigen.attention(q, k, v, "text:100", RULES)
+    step = torch.compile(lambda q, k, v: omnigen.attention(q, k, v, "text:100", RULES), fullgraph=True, backend="eager")
+    with pytest.raises(Exception) as compiled:
         step(q, k, v)
-    # without fullgraph the planning is a graph break, and the call is right
-    out = torch.compile(lambda q, k, v: omnigen.attention(q, k, v, layout, RULES), backend="eager")(q, k, v)
-    torch.testing.assert_close(out, omnigen.attention(q, k, v, layout, RULES), rtol=0, atol=0)
+    assert str(eager.value) in str(compiled.value), (str(compiled.value), str(eager.value))
+
+
+def test_fullgraph_with_a_layout_and_dynamic_shapes_plans_for_the_sizes_it_gets():
+    """dynamic=True: the plan is for q's sizes, which specialise (a new length traces anew); each call is right."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v, layout: omnigen.attention(q, k, v, layout, RULES), fullgraph=True,
+                         backend="eager", dynamic=True)
+    for text in ("text:40 image:64 text:24@1", "image:40 text:56", "text:40 image:64 text:24@1"):
+        layout = omnigen.Layout.parse(text)
+        q, k, v = _qkv(2, 2, 2, layout.seq_len, torch.float32)
+        torch.testing.assert_close(step(q, k, v, layout), omnigen.attention(q, k, v, layout, RULES), rtol=0, atol=0)

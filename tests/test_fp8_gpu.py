@@ -161,8 +161,8 @@ def test_the_fp8_forward_at_every_kv_tile(block_n, stages):
 @pytest.mark.parametrize("made_beforehand", [True, False])
 def test_the_fp8_forward_compiles_to_one_op_and_equals_eager(made_beforehand):
     """Under torch.compile(fullgraph=True) the FP8 call is one `omnigen::attention_fp8` node (no graph break) and gives
-    eager's bits, with a mask made outside the compiled function; with a plain layout (planned on the host) it still
-    compiles, with planning's graph break, and gives the same bits."""
+    eager's bits, with a mask made outside the compiled function or with a plain layout (planned while Dynamo
+    traces: op/traced_layouts.py)."""
     layout = omnigen.Layout.parse("text:300 image:256 text:200")
     (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=21)
     mask = omnigen.mask(TRANSFUSION, layout, "cuda", batch=2, head_dim=128, dtype=torch.float8_e4m3fn)
@@ -181,8 +181,8 @@ def test_the_fp8_forward_compiles_to_one_op_and_equals_eager(made_beforehand):
     torch._dynamo.reset()
     with torch.no_grad():
         eager = call(q8, k8, v8)
-        compiled = torch.compile(call, fullgraph=made_beforehand, backend=capture)(q8, k8, v8)
-        inductor = torch.compile(call, fullgraph=made_beforehand)(q8, k8, v8)
+        compiled = torch.compile(call, fullgraph=True, backend=capture)(q8, k8, v8)
+        inductor = torch.compile(call, fullgraph=True)(q8, k8, v8)
     assert torch.equal(compiled, eager) and torch.equal(inductor, eager)
     nodes = [n for gm in graphs for n in gm.graph.nodes if "attention_fp8" in str(n.target)]
     assert len(nodes) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.backends.debugging import aot_eager
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import omnigen
@@ -252,18 +253,30 @@ def test_compile_does_not_recompile_for_a_new_mask_of_the_same_shape(monkeypatch
     assert len(compiles) == 1
 
 
-def test_compile_default_mode_with_a_plain_layout_breaks_the_graph_once_and_fullgraph_says_why(monkeypatch):
-    torch._dynamo.reset()
-    kernel = emulated_kernel(monkeypatch, RULES)
-    batch = omnigen.Layout.batch([LAYOUT_A, LAYOUT_B])
-    model = TwoLayers(kernel)
+def test_compile_with_a_plain_layout_breaks_the_graph_by_default_and_plans_while_tracing_in_fullgraph(monkeypatch):
+    """A Kernel called with a plain layout: by default planning is one graph break (no retrace for a new layout);
+    under fullgraph=True it is planned while Dynamo traces (op/traced_layouts.py), one graph, a new one for a new
+    layout. Both bit for bit eager."""
+    third = omnigen.Layout.parse("text:96")
+    batches = [omnigen.Layout.batch(pair) for pair in ([LAYOUT_A, LAYOUT_B], [LAYOUT_B, LAYOUT_B], [third, LAYOUT_A],
+                                                       [third, third])]
     x = torch.randn(2, 96, 32)
-    eager_loss, eager_grads = _step(model, x, batch)
-    loss, grads = _step(torch.compile(model, backend="aot_eager"), x, batch)
-    assert torch.equal(loss, eager_loss) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="omnigen.mask"):
-        torch.compile(model, fullgraph=True, backend="aot_eager")(x, batch)
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        kernel = emulated_kernel(monkeypatch, RULES)
+        model = TwoLayers(kernel)
+        graphs = []
+        compiled = torch.compile(model, fullgraph=fullgraph,
+                                 backend=lambda gm, inputs: graphs.append(gm) or aot_eager(gm, inputs))
+        traced = []
+        for batch in batches:
+            eager_loss, eager_grads = _step(model, x, batch)
+            loss, grads = _step(compiled, x, batch)
+            assert torch.equal(loss, eager_loss) and all(torch.equal(a, b) for a, b in zip(grads, eager_grads))
+            traced.append(len(graphs))
+        # fullgraph: one graph per layout. By default the graphs around the planning breaks: the first call traces
+        # one, the second the rest (Dynamo compiles a resumed frame on its second call), and new layouts none.
+        assert traced == ([1, 2, 3, 4] if fullgraph else [1, 2, 2, 2]), (fullgraph, traced)
 
 
 def test_op_keys_name_kernels_and_rules():

@@ -9,7 +9,7 @@
 Every call ends in the custom op `omnigen::attention` (op/library.py) with the mask's tensors. A plain
 layout is first planned (on the GPU, one host sync; the result is kept in a small cache while the same
 layout comes back) into a mask of exactly the tile shapes the kernel runs; under `torch.compile` that
-step is a graph break (`fullgraph=True` needs a mask made outside the compiled function).
+step is a graph break, and under `fullgraph=True` it is planned while Dynamo traces (op/traced_layouts.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from ..targets import FP8_DTYPES, KernelConfig, TileConfig
 from ..tune import db as tune_db
 from ..tune import space as tune_space
 from . import autograd  # registers the op's backward; EagerAttention
-from . import cpu, fp8, library, native, permute
-from .library import has_backward, on_host_path
+from . import cpu, fp8, library, native, permute, traced_layouts
+from .library import has_backward, on_host_device
 from .checks import check_call, check_layout_against, check_mask, check_tensors
 
 _PLAN_CACHE_SIZE = 16
@@ -63,16 +63,17 @@ class _Recent:
 
 
 def _disable(fn, reason: str):
-    """torch.compiler.disable with a reason where this torch takes one (the message fullgraph=True prints)."""
+    """torch.compiler.disable with a reason where this torch takes one (the message a fullgraph=True trace prints
+    where it cannot plan while tracing: a torch whose Dynamo does not say whether the trace may break)."""
     try:
         return torch.compiler.disable(fn, reason=reason)
     except TypeError:  # pragma: no cover - torch without `reason`
         return torch.compiler.disable(fn)
 
 
-_PLANNING_REASON = ("omnigen plans a plain layout on the host (a host sync): pass a mask made outside the "
-                    "compiled function, omnigen.mask(rules, layout, device) or kernel.mask(layout), to compile "
-                    "with fullgraph=True")
+_PLANNING_REASON = ("omnigen plans a plain layout on the host (a host sync), and this torch's Dynamo does not let "
+                    "it plan while tracing: pass a mask made outside the compiled function, omnigen.mask(rules, "
+                    "layout, device) or kernel.mask(layout), to compile with fullgraph=True")
 
 
 def _call_op(q, k, v, mask: Mask, kernel_key: str, scale: float, deterministic: bool, return_lse: bool):
@@ -197,7 +198,8 @@ class Kernel:
         else:
             scale = check_call(q, k, v, layout, self.rules, scale, self.dtype, self.config.head_dim)
             _check_descale(q, k, v, descale)
-            mask = _prepare_kernel_layout(self, layout, q)
+            # under fullgraph=True: planned while Dynamo traces (op/traced_layouts.py)
+            mask = traced_layouts.traced_mask(self.key, layout, q) or _prepare_kernel_layout(self, layout, q)
         check_mask(mask, q, self.rules_key, self.rules.name)
         if fp8.is_fp8(q):
             return fp8.forward(q, k, v, mask, self.key, scale, descale, return_lse)
@@ -217,10 +219,14 @@ def _batched(layout: AnyLayout, batch: int) -> AnyLayout:
     return LayoutBatch([layout] * batch) if isinstance(layout, Layout) and batch > 1 else layout
 
 
-def _prepare_layout(kernel: Kernel, layout: Any, q: torch.Tensor) -> Mask:
+def _plan_layout(kernel: Kernel, layout: Any, batch: int, seq_len: int, device: torch.device) -> Mask:
     layout = as_layout(layout)
-    check_layout_against(layout, kernel.rules, q.shape[0], q.shape[2])
-    return kernel._mask_for_layout(layout, q.shape[0], q.device)
+    check_layout_against(layout, kernel.rules, batch, seq_len)
+    return kernel._mask_for_layout(layout, batch, device)
+
+
+def _prepare_layout(kernel: Kernel, layout: Any, q: torch.Tensor) -> Mask:
+    return _plan_layout(kernel, layout, q.shape[0], q.shape[2], q.device)
 
 
 _prepare_kernel_layout = _disable(_prepare_layout, _PLANNING_REASON)
@@ -370,18 +376,34 @@ tune_db.on_record(native.forget)  # a "rules:" key may resolve to newly tuned co
 _HOST_MASKS = _Recent()
 
 
-def _prepare_rules_layout(rules: Rules, layout: Any, q: torch.Tensor) -> Mask:
+def _plan_rules_layout(rules: Rules, layout: Any, batch: int, seq_len: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device) -> Mask:
+    """attention()'s mask for a plain layout and a call on q of [batch, heads, seq_len, head_dim] in dtype."""
     layout = as_layout(layout)
-    check_layout_against(layout, rules, q.shape[0], q.shape[2])
-    if on_host_path(q):
-        batch = q.shape[0]
+    check_layout_against(layout, rules, batch, seq_len)
+    if on_host_device(device):
         return _HOST_MASKS.get_or_make((rules.key, layout, batch), lambda: mask_from_plans(
             rules, _batched(layout, batch), [plan(rules, _batched(layout, batch), *cpu.TILE, device="cpu")]))
-    kernel = kernel_for(rules, q.shape[-1], q.dtype, q.device)
-    return kernel._mask_for_layout(layout, q.shape[0], q.device)
+    return kernel_for(rules, head_dim, dtype, device)._mask_for_layout(layout, batch, device)
+
+
+def _prepare_rules_layout(rules: Rules, layout: Any, q: torch.Tensor) -> Mask:
+    return _plan_rules_layout(rules, layout, q.shape[0], q.shape[2], q.shape[-1], q.dtype, q.device)
 
 
 _prepare_attention_layout = _disable(_prepare_rules_layout, _PLANNING_REASON)
+
+
+def _plan_traced_layout(owner: Rules | str, layout: Any, batch: int, seq_len: int, head_dim: int,
+                        dtype: torch.dtype, device: torch.device) -> Mask:
+    """traced_layouts' planner: the mask a call of `owner` (attention()'s Rules, or a Kernel's op key) would make
+    of a plain layout, made at trace time."""
+    if isinstance(owner, Rules):
+        return _plan_rules_layout(owner, layout, batch, seq_len, head_dim, dtype, device)
+    return _plan_layout(library.registered(owner), layout, batch, seq_len, device)
+
+
+traced_layouts.set_planner(_plan_traced_layout)
 
 
 def attention(
@@ -421,7 +443,8 @@ def attention(
                             "attention(q, k, v, layout, rules), or a mask: attention(q, k, v, omnigen.mask(...))")
         scale = check_call(q, k, v, layout, rules, scale)  # every mistake of the call at once, before building
         _check_descale(q, k, v, descale)
-        mask = _prepare_attention_layout(rules, layout, q)
+        # under fullgraph=True: planned while Dynamo traces (op/traced_layouts.py)
+        mask = traced_layouts.traced_mask(rules, layout, q) or _prepare_attention_layout(rules, layout, q)
     if fp8.is_fp8(q):
         return fp8.forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)

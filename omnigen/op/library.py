@@ -68,13 +68,18 @@ def set_rules_resolver(resolver: Callable[[str, int, torch.dtype, torch.device],
     _rules_resolver = resolver
 
 
+def registered(kernel: str) -> Any:
+    """The Kernel object of a "kernel/v2:" key (register_kernel)."""
+    found = _KERNELS.get(kernel)
+    if found is None:
+        raise ValueError(f"omnigen::attention: no kernel {kernel!r} in this process")
+    return found
+
+
 def resolve(kernel: str, q: torch.Tensor) -> Any:
     """The Kernel object a key names (for a "rules/v2:" key: the one for q's head dim, dtype and device)."""
     if kernel.startswith(KERNEL_PREFIX):
-        found = _KERNELS.get(kernel)
-        if found is None:
-            raise ValueError(f"omnigen::attention: no kernel {kernel!r} in this process")
-        return found
+        return registered(kernel)
     if kernel.startswith(RULES_PREFIX) and _rules_resolver is not None:
         return _rules_resolver(kernel[len(RULES_PREFIX):], q.shape[-1], q.dtype, q.device)
     raise ValueError(f"omnigen::attention: kernel must be '{KERNEL_PREFIX}<key>' or '{RULES_PREFIX}<key>', not {kernel!r}")
@@ -83,10 +88,7 @@ def resolve(kernel: str, q: torch.Tensor) -> Any:
 def rules_of(kernel: str) -> Any:
     """The Rules a kernel key stands for, without building anything (what the CPU path needs of a key)."""
     if kernel.startswith(KERNEL_PREFIX):
-        found = _KERNELS.get(kernel)
-        if found is None:
-            raise ValueError(f"omnigen::attention: no kernel {kernel!r} in this process")
-        return found.rules
+        return registered(kernel).rules
     if kernel.startswith(RULES_PREFIX):
         try:
             return rules_for_key(kernel[len(RULES_PREFIX):])
@@ -99,7 +101,12 @@ def rules_of(kernel: str) -> Any:
 def on_host_path(q: torch.Tensor) -> bool:
     """Whether a call runs the CPU path (op/cpu.py): CPU tensors, unless tests stand an emulator of the kernels
     in on the CPU (they add "cpu" to checks.DEVICE_TYPES, the device types the kernels run on)."""
-    return q.device.type == "cpu" and "cpu" not in checks.DEVICE_TYPES
+    return on_host_device(q.device)
+
+
+def on_host_device(device: torch.device) -> bool:
+    """on_host_path for tensors on `device`."""
+    return device.type == "cpu" and "cpu" not in checks.DEVICE_TYPES
 
 
 def host_schedules(schedules: list[torch.Tensor], tiles: list[int], tables: TokenTables) -> Schedules:
