@@ -178,11 +178,12 @@ def paired(args, options: dict) -> None:
                 for tile in args.tiles:
                     new = build(rules, dim, tile, args.family, options)
                     old = load_other_module(lines[(rules_name, dim, tile.label)], new)
-                    passes = {"forward": {name: (lambda kernel=kernel: kernel(q, k, v, layout))
+                    mask = new.mask(layout)  # one mask for both: the same tensors, the same memory
+                    passes = {"forward": {name: (lambda kernel=kernel: kernel(q, k, v, mask))
                                           for name, kernel in (("old", old), ("new", new))}}
                     if new.module.HAS_BACKWARD:
                         passes["fwd+bwd"] = {name: (lambda kernel=kernel: torch.autograd.grad(
-                            kernel(q, k, v, layout, deterministic=args.deterministic), (q, k, v), d_o))
+                            kernel(q, k, v, mask, deterministic=args.deterministic), (q, k, v), d_o))
                             for name, kernel in (("old", old), ("new", new))}
                     for pass_name, functions in passes.items():
                         times = paired_ms(functions, args.alternations)

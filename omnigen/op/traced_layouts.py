@@ -57,7 +57,7 @@ def _breaks_are_errors() -> bool:
 
 
 def _plan(owner: Any, layout: Any, batch: int, seq_len: int, head_dim: int, dtype: torch.dtype,
-          device: str) -> str | None:
+          device: str) -> str:
     """The key of the layout's mask, planned now (at trace time)."""
     if _planner is None:  # pragma: no cover - op/kernel.py installs it on import
         raise RuntimeError("omnigen.op.traced_layouts: no planner installed")
