@@ -309,6 +309,19 @@ def test_softmax_chains_render_independent_chains_and_default_to_one():
         assert any("softmax_chains must be 1, 2, 4 or 8" in p for p in kernels.problems(hopper(128, softmax_chains=wrong)))
 
 
+def test_pingpong_renders_turns_around_every_issue_and_is_off_by_default():
+    """The pingpong option: the consumer warpgroups wait for their turn before issuing a step's products and hand it
+    on after, in the first step, every later step and the last P V; off by default (the same module as before)."""
+    def forward(config):
+        return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+
+    assert "constexpr bool kPingPong = false;" in forward(hopper(64))
+    source = forward(hopper(64, pingpong=True))
+    assert "constexpr bool kPingPong = true;" in source
+    assert source.count("wait_turn();") == 3 and source.count("pass_turn();") == 3
+    assert source.count("begin_turns();") == 2 and source.count("end_turns();") == 2  # persistent and grid paths
+
+
 def test_dq_in_turns_renders_a_whole_width_dq_product_at_d64_only():
     """The dq_in_turns option (on by default): at d64 each step's dQ, every head dim, by one consumer warpgroup
     (m64n64 instead of m64n32 in each), the writer warp's barriers counting one warpgroup; off, or without the writer

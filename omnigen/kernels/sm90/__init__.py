@@ -85,6 +85,7 @@ class Sm90Family(KernelFamily):
             "partial_bits": o.partial_bits,
             "tables_always_shared": o.tables_always_shared,
             "softmax_chains": o.softmax_chains,
+            "pingpong": o.pingpong,
             # the backward
             "hopper_backward": not problems,
             "backward_supported": not problems,

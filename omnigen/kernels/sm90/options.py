@@ -29,6 +29,10 @@ class HopperOptions(KernelOptions):
     # end, instead of one chain of 32 dependent FMNMX and 32 FADD a row at block_n 128. Not timed yet ("The
     # softmax's dependent chains"): 1 renders today's code.
     softmax_chains: int = 1
+    # The consumer warpgroups take turns issuing their products (ping-pong, FlashAttention-3's schedule). Off since
+    # "Hopper forward, the sm90 family (issue 13)": no gain at d128, where a step's products take twice its softmax;
+    # back as an option for d64 and FP8, where the two are equal ("The forward's ping-pong, again").
+    pingpong: bool = False
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
