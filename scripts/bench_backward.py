@@ -21,6 +21,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -142,7 +143,7 @@ def load_other_module(line: dict, kernel):
     return Kernel(kernel.rules, kernel.config, module)
 
 
-def paired_ms(functions: dict[str, callable], alternations: int) -> dict[str, list[float]]:
+def paired_ms(functions: dict[str, Callable[[], object]], alternations: int) -> dict[str, list[float]]:
     """Milliseconds a call of each function, `alternations` batches each (do_bench's median over ~40 ms), the
     functions taking turns and swapping who goes first every batch: a drift of the clock falls on both alike."""
     from triton.testing import do_bench
