@@ -636,8 +636,9 @@ def _check_segments(segments: tuple[Segment, ...]) -> int:
         raise ValueError("a layout needs at least one segment")
     previous_doc = 0
     total = 0
+    known = frozenset() if _dynamo_tracing() else _GOOD_MODALITY_NAMES  # asked once a layout, not once a segment
     for index, (modality, length, doc) in enumerate(segments):
-        if _dynamo_tracing() or modality not in _GOOD_MODALITY_NAMES:
+        if modality not in known:
             if not isinstance(modality, str) or not _MODALITY_RE.match(modality):
                 raise ValueError(f"segment {index}: modality must be a lowercase name like 'text', not {modality!r}")
             _GOOD_MODALITY_NAMES.add(modality)

@@ -180,12 +180,13 @@ def paired(args, options: dict) -> None:
                     new = build(rules, dim, tile, args.family, options)
                     old = load_other_module(lines[(rules_name, dim, tile.label)], new)
                     mask = new.mask(layout)  # one mask for both: the same tensors, the same memory
-                    passes = {"forward": {name: (lambda kernel=kernel: kernel(q, k, v, mask))
-                                          for name, kernel in (("old", old), ("new", new))}}
+                    def both(call, old=old, new=new):  # the pass as each tree's call
+                        return {"old": lambda: call(old), "new": lambda: call(new)}
+
+                    passes = {"forward": both(lambda kernel: kernel(q, k, v, mask))}
                     if new.module.HAS_BACKWARD:
-                        passes["fwd+bwd"] = {name: (lambda kernel=kernel: torch.autograd.grad(
+                        passes["fwd+bwd"] = both(lambda kernel: torch.autograd.grad(
                             kernel(q, k, v, mask, deterministic=args.deterministic), (q, k, v), d_o))
-                            for name, kernel in (("old", old), ("new", new))}
                     for pass_name, functions in passes.items():
                         times = paired_ms(functions, args.alternations)
                         change, low, high = paired_change(times["old"], times["new"])

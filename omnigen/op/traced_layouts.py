@@ -19,17 +19,17 @@ import itertools
 import operator
 import sys
 import threading
-from collections import OrderedDict
+from collections import deque
 from typing import Any, Callable
 
 import torch
 
-# Traced masks by key, the newest KEPT, each also an attribute of this module named by its key: a graph reads its
-# mask through that attribute (a new attribute for each mask: a dict read twice in one trace would be Dynamo's copy
-# from the first read, without the masks planned since). A mask evicted before its graph runs again fails that
-# graph's guard, which traces anew and plans again.
+# Traced masks, the newest KEPT, each an attribute of this module named by its key (KEYS, oldest first): a graph
+# reads its mask through that attribute (a new attribute for each mask: a dict read twice in one trace would be
+# Dynamo's copy from the first read, without the masks planned since). A mask evicted before its graph runs again
+# fails that graph's guard, which traces anew and plans again.
 KEPT = 64
-MASKS: OrderedDict[str, Any] = OrderedDict()
+KEYS: deque[str] = deque()
 _MODULE = sys.modules[__name__]
 _COUNTER = itertools.count()
 _LOCK = threading.Lock()
@@ -70,10 +70,10 @@ def _plan(owner: Any, layout: Any, batch: int, seq_len: int, head_dim: int, dtyp
         raise UserError(UserErrorType.INVALID_INPUT, str(error)) from error
     with _LOCK:
         key = f"traced_mask_{next(_COUNTER)}"
-        MASKS[key] = mask
+        KEYS.append(key)
         setattr(_MODULE, key, mask)
-        while len(MASKS) > KEPT:
-            delattr(_MODULE, MASKS.popitem(last=False)[0])
+        while len(KEYS) > KEPT:
+            delattr(_MODULE, KEYS.popleft())
     return key
 
 
