@@ -13,8 +13,10 @@ take tensors, never at import.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence, Union
 
@@ -175,16 +177,45 @@ class HostTables:
         return self.packed.nbytes + 2 * 4 * self.batch_size * self.seq_len
 
 
+# Every Layout and LayoutBatch gets a handle when it is built: a string unique in this process, by which
+# `live_layout` finds it while it lives. A torch.compile trace hands the handle on where it may not hand the object,
+# and guards on one string instead of every segment (op/traced_layouts.py). A string: Dynamo makes an int that varies
+# between traces symbolic.
+_LIVE: "weakref.WeakValueDictionary[str, AnyLayout]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def _new_handle(layout: "AnyLayout") -> str | None:
+    if _dynamo_tracing():
+        return None  # one built inside a trace: the trace has its segments as constants already
+    handle = f"layout#{next(_HANDLES)}"
+    _LIVE[handle] = layout
+    return handle
+
+
+def live_layout(handle: str) -> "AnyLayout":
+    """The living Layout or LayoutBatch of this handle (`layout.handle`); KeyError when it is gone."""
+    found = _LIVE.get(handle)
+    if found is None:
+        raise KeyError(f"no living omnigen layout has the handle {handle!r}")
+    return found
+
+
 class Layout:
     """One sequence of segments: `Layout.from_segments([("text", 40), ("image", 256), ("text", 24, 1)])`."""
 
-    __slots__ = ("segments", "_tables", "_seq_len", "_modalities")
+    __slots__ = ("segments", "handle", "_tables", "_seq_len", "_modalities", "__weakref__")
 
     def __init__(self, segments: Iterable[Segment]) -> None:
         self.segments: tuple[Segment, ...] = tuple(segments)
         self._tables: dict = {}
         self._seq_len = _check_segments(self.segments)
         self._modalities: frozenset[str] | None = None
+        self.handle = _new_handle(self)
+
+    def __reduce__(self) -> tuple:
+        # built again (a handle of this process, no tables): not the slots copied, which would carry the handle over
+        return (Layout, (self.segments,))
 
     # -- construction ----------------------------------------------------------------------
 
@@ -478,7 +509,7 @@ class PaddingReport:
 class LayoutBatch:
     """B layouts of the same length: one per batch element."""
 
-    __slots__ = ("layouts", "_tables")
+    __slots__ = ("layouts", "handle", "_tables", "__weakref__")
 
     def __init__(self, layouts: Iterable[Layout]) -> None:
         items = tuple(layouts)
@@ -496,6 +527,10 @@ class LayoutBatch:
             )
         self.layouts: tuple[Layout, ...] = items
         self._tables: dict = {}
+        self.handle = _new_handle(self)
+
+    def __reduce__(self) -> tuple:
+        return (LayoutBatch, (self.layouts,))
 
     @property
     def seq_len(self) -> int:
@@ -592,6 +627,7 @@ def _trusted_layout(names: list[str], lengths: list[int], docs: list[int], seq_l
     layout._tables = {}
     layout._seq_len = seq_len
     layout._modalities = frozenset(names)
+    layout.handle = _new_handle(layout)
     return layout
 
 
@@ -621,8 +657,8 @@ _GOOD_MODALITY_NAMES: set[str] = set()  # names already checked against _MODALIT
 
 def _dynamo_tracing() -> bool:
     """Whether TorchDynamo is tracing the caller. Then _GOOD_MODALITY_NAMES is left alone: a layout planned while
-    tracing (op/traced_layouts.py) fills it for real, which would fail the guard Dynamo put on it in the same trace.
-    (torch only where it is loaded already: this module does not import it.)"""
+    tracing (op/traced_layouts.py) fills it for real, which would fail the guard Dynamo put on it in the same trace;
+    and a layout gets no handle. (torch only where it is loaded already: this module does not import it.)"""
     if "torch" not in sys.modules:
         return False
     import torch

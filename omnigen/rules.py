@@ -275,10 +275,15 @@ class Rules:
     def to_yaml(self) -> str:
         return yaml.dump(self.to_dict(), Dumper=_FlowDumper, sort_keys=False, width=100)
 
+    @property
+    def canonical(self) -> str:
+        """The canonical form, as JSON: the same for every spelling of the same rules, and
+        `Rules.from_dict(json.loads(rules.canonical))` builds them again."""
+        return self._canonical
+
     def content_hash(self, length: int = 16) -> str:
         """Hash of the canonical form: the same for every spelling of the same rules."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:length]
+        return hashlib.sha256(self.canonical.encode()).hexdigest()[:length]
 
     def without_kernel(self) -> "Rules":
         """These rules minus the `kernel:` section: what a compiled variant depends on.
@@ -496,6 +501,8 @@ def _validate_into(rules: Rules, data: dict[str, Any], located: _Located) -> Non
     object.__setattr__(rules, "see_default", default)
     object.__setattr__(rules, "documents", documents)
     object.__setattr__(rules, "kernel", kernel)
+    # Made now, while the rules are built eagerly: a torch.compile trace reads it as a constant (op/traced_layouts.py)
+    object.__setattr__(rules, "_canonical", json.dumps(rules.to_dict(), sort_keys=True, separators=(",", ":")))
 
 
 def _validate_modalities(raw: Any, located: _Located) -> tuple[Modality, ...]:

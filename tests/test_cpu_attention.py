@@ -363,3 +363,36 @@ def test_fullgraph_with_a_layout_and_dynamic_shapes_plans_for_the_sizes_it_gets(
         layout = omnigen.Layout.parse(text)
         q, k, v = _qkv(2, 2, 2, layout.seq_len, torch.float32)
         torch.testing.assert_close(step(q, k, v, layout), omnigen.attention(q, k, v, layout, RULES), rtol=0, atol=0)
+
+
+def test_fullgraph_hands_the_planner_constants_only():
+    """What a trace hands the planner must be Python constants: torch 2.11's Dynamo refuses any object there (later
+    versions pass objects). Each kind of layout becomes strings, ints and tuples, and comes back as the same layout."""
+    from omnigen.op import traced_layouts
+
+    def constants_only(value):
+        if isinstance(value, tuple):
+            return all(constants_only(item) for item in value)
+        return isinstance(value, (str, int))
+
+    one, other = omnigen.Layout.parse("text:40 image:64 text:24@1"), omnigen.Layout.parse("image:50 text:78")
+    for layout in ("text:128", one, omnigen.Layout.batch([one, other]), [one, other], (other,)):
+        constant = traced_layouts._layout_constant(layout)
+        assert constants_only(constant), constant
+        assert omnigen.layout.as_layout(traced_layouts._layout_again(constant)) == omnigen.layout.as_layout(layout)
+    assert traced_layouts._layout_constant(torch.zeros(2)) is None
+    assert constants_only(("rules", RULES.canonical))
+
+
+def test_fullgraph_with_a_layout_built_inside_the_trace():
+    """A layout built inside the compiled function has no handle (built while tracing): its segments go instead."""
+    q, k, v = _qkv(2, 2, 2, 128, torch.float32)
+
+    def step(q, k, v):
+        batch = omnigen.Layout.batch([omnigen.Layout.from_segments([("text", 40), ("image", 64), ("text", 24, 1)]),
+                                      omnigen.Layout.parse("text:128")])
+        return omnigen.attention(q, k, v, batch, RULES)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v), rtol=0, atol=0)

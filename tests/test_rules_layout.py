@@ -182,3 +182,34 @@ def test_padding_never_changes_the_mask_between_real_tokens(case):
     padded, report = layout.pad_to_tiles(list(r.modality_names), 16, rules=r)  # (names the layout may lack)
     moved = report.new_positions()
     assert torch.equal(r.dense_mask(padded)[moved][:, moved], r.dense_mask(layout))
+
+
+def test_layouts_have_handles_that_find_them_while_they_live():
+    """A layout's handle (op/traced_layouts.py hands it across a torch.compile trace): unique, found again while the
+    layout lives, not after; a pickled copy is built again with a handle of its own and no tables."""
+    import gc
+    import pickle
+
+    from omnigen.layout import live_layout
+
+    one, other = Layout.parse("text:40 image:64"), Layout.parse("text:40 image:64")
+    batch = Layout.batch([one, other])
+    assert len({one.handle, other.handle, batch.handle}) == 3 and all(isinstance(h, str) for h in (one.handle,))
+    assert live_layout(one.handle) is one and live_layout(batch.handle) is batch
+    one.tables(Rules.load("examples/rules/transfusion.yaml"))
+    copy = pickle.loads(pickle.dumps(batch))
+    assert copy == batch and copy.handle != batch.handle and copy[0].handle != one.handle
+    assert live_layout(copy[0].handle) is copy[0] and not copy[0]._tables
+    gone = other.handle
+    del batch, copy, other
+    gc.collect()
+    with pytest.raises(KeyError, match="no living omnigen layout"):
+        live_layout(gone)
+
+
+def test_rules_canonical_form_builds_equal_rules():
+    import json
+
+    rules = Rules.load("examples/rules/transfusion.yaml")
+    again = Rules.from_dict(json.loads(rules.canonical))
+    assert again == rules and again.key == rules.key and again.canonical == rules.canonical

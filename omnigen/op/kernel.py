@@ -14,6 +14,8 @@ step is a graph break, and under `fullgraph=True` it is planned while Dynamo tra
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import replace
@@ -199,7 +201,7 @@ class Kernel:
             scale = check_call(q, k, v, layout, self.rules, scale, self.dtype, self.config.head_dim)
             _check_descale(q, k, v, descale)
             # under fullgraph=True: planned while Dynamo traces (op/traced_layouts.py)
-            mask = traced_layouts.traced_mask(self.key, layout, q) or _prepare_kernel_layout(self, layout, q)
+            mask = traced_layouts.traced_mask(("kernel", self.key), layout, q) or _prepare_kernel_layout(self, layout, q)
         check_mask(mask, q, self.rules_key, self.rules.name)
         if fp8.is_fp8(q):
             return fp8.forward(q, k, v, mask, self.key, scale, descale, return_lse)
@@ -394,13 +396,22 @@ def _prepare_rules_layout(rules: Rules, layout: Any, q: torch.Tensor) -> Mask:
 _prepare_attention_layout = _disable(_prepare_rules_layout, _PLANNING_REASON)
 
 
-def _plan_traced_layout(owner: Rules | str, layout: Any, batch: int, seq_len: int, head_dim: int,
+def _plan_traced_layout(owner: tuple[str, str], layout: Any, batch: int, seq_len: int, head_dim: int,
                         dtype: torch.dtype, device: torch.device) -> Mask:
-    """traced_layouts' planner: the mask a call of `owner` (attention()'s Rules, or a Kernel's op key) would make
-    of a plain layout, made at trace time."""
-    if isinstance(owner, Rules):
-        return _plan_rules_layout(owner, layout, batch, seq_len, head_dim, dtype, device)
-    return _plan_layout(library.registered(owner), layout, batch, seq_len, device)
+    """traced_layouts' planner: the mask a call of `owner` would make of a plain layout, made at trace time. The
+    owner is ("rules", Rules.canonical) for attention() or ("kernel", op key) for a Kernel: constants, which a trace
+    can hand over where objects may not go."""
+    kind, name = owner
+    if kind == "rules":
+        return _plan_rules_layout(_rules_from_canonical(name), layout, batch, seq_len, head_dim, dtype, device)
+    return _plan_layout(library.registered(name), layout, batch, seq_len, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _rules_from_canonical(canonical: str) -> Rules:
+    """Rules rebuilt from their canonical form: equal to the caller's, so the same key and kernel (kept: a mask
+    holds its rules, and a trace may plan several layouts for them)."""
+    return Rules.from_dict(json.loads(canonical), source="rules traced by torch.compile")
 
 
 traced_layouts.set_planner(_plan_traced_layout)
@@ -444,7 +455,7 @@ def attention(
         scale = check_call(q, k, v, layout, rules, scale)  # every mistake of the call at once, before building
         _check_descale(q, k, v, descale)
         # under fullgraph=True: planned while Dynamo traces (op/traced_layouts.py)
-        mask = traced_layouts.traced_mask(rules, layout, q) or _prepare_attention_layout(rules, layout, q)
+        mask = traced_layouts.traced_mask(("rules", rules.canonical), layout, q) or _prepare_attention_layout(rules, layout, q)
     if fp8.is_fp8(q):
         return fp8.forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
