@@ -295,17 +295,18 @@ def test_a_deeper_backward_ring_per_head_dim(head_dim, stages):
     assert f"static_assert(sizeof(SharedStorage) == {r.hopper_shared_storage_bytes}," in backward
 
 
-def test_softmax_chains_render_independent_chains_and_default_to_one():
-    """The softmax_chains option: the forward's softmax state takes it as its chain count (1 by default: today's single
-    chains, the same module); a power of two up to 8, else a problem that names the option."""
+def test_softmax_chains_render_independent_chains_and_default_by_head_dim():
+    """The softmax_chains option: the forward's softmax state takes it as its chain count, by default the head dim's
+    (two at d64, one elsewhere); a power of two up to 8, else a problem that names the option."""
     def forward(config):
         return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
 
-    assert hopper(128, softmax_chains=1) == hopper(128)
     assert "omnigen::RowPairSoftmax<kBlockN / 2, 1>;" in forward(hopper(128))
+    assert "omnigen::RowPairSoftmax<kBlockN / 2, 2>;" in forward(hopper(64))
+    assert "omnigen::RowPairSoftmax<kBlockN / 2, 1>;" in forward(hopper(64, softmax_chains=1))
     assert "omnigen::RowPairSoftmax<kBlockN / 2, 4>;" in forward(hopper(64, softmax_chains=4))
     assert not kernels.problems(hopper(64, softmax_chains=4))
-    for wrong in (3, 0, 16):
+    for wrong in (3, -1, 16):
         assert any("softmax_chains must be 1, 2, 4 or 8" in p for p in kernels.problems(hopper(128, softmax_chains=wrong)))
 
 

@@ -352,7 +352,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[kBlockN / 2], const Partia
 
 // Online softmax state of a thread's two rows: running max (log2 units, scaled), partial row sums.
 // (the softmax_chains option: each row's max and sum of a step in that many independent chains)
-using Softmax = omnigen::RowPairSoftmax<kBlockN / 2, 1>;
+using Softmax = omnigen::RowPairSoftmax<kBlockN / 2, 2>;
 
 // ---- the kernel ----------------------------------------------------------------------------
 __device__ __forceinline__ SharedStorage& shared_storage(uint8_t* raw) {

@@ -84,7 +84,7 @@ class Sm90Family(KernelFamily):
             "persistent": o.persistent,
             "partial_bits": o.partial_bits,
             "tables_always_shared": o.tables_always_shared,
-            "softmax_chains": o.softmax_chains,
+            "softmax_chains": r.softmax_chains,
             "pingpong": o.pingpong,
             # the backward
             "hopper_backward": not problems,

@@ -26,9 +26,9 @@ class HopperOptions(KernelOptions):
     # mask holds them, instead of evaluating the rules per head ("Partial tiles' masks as bits made once per layout").
     partial_bits: bool = True
     # Each row's max and sum of a kv-step in this many independent chains (1, 2, 4 or 8), combined in pairs at the
-    # end, instead of one chain of 32 dependent FMNMX and 32 FADD a row at block_n 128. Not timed yet ("The
-    # softmax's dependent chains"): 1 renders today's code.
-    softmax_chains: int = 1
+    # end, instead of one chain of 32 dependent FMNMX and 32 FADD a row at block_n 128; 0: the head dim's default
+    # (resources.SOFTMAX_CHAINS_BY_HEAD_DIM: 2 at d64, else 1; "The softmax's chains, timed").
+    softmax_chains: int = 0
     # The consumer warpgroups take turns issuing their products (ping-pong, FlashAttention-3's schedule). Off since
     # "Hopper forward, the sm90 family (issue 13)": no gain at d128, where a step's products take twice its softmax;
     # back as an option for d64 and FP8, where the two are equal ("The forward's ping-pong, again").
@@ -85,8 +85,9 @@ class HopperOptions(KernelOptions):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 out.append(f"option {name} must be an integer >= 0, not {value!r}")
-        if self.softmax_chains not in (1, 2, 4, 8) or isinstance(self.softmax_chains, bool):
-            out.append(f"option softmax_chains must be 1, 2, 4 or 8, not {self.softmax_chains!r}")
+        if self.softmax_chains not in (0, 1, 2, 4, 8) or isinstance(self.softmax_chains, bool):
+            out.append(f"option softmax_chains must be 1, 2, 4 or 8 (0: the head dim's default), "
+                       f"not {self.softmax_chains!r}")
         if self.backward_stages == 1:
             out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
         return out

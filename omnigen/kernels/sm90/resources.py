@@ -42,6 +42,9 @@ HOPPER_STEP_ROWS = 64  # query rows per backward step (one 128-byte swizzle peri
 # against the same load latency, and 4 stages fit in its shared memory (150 KB); d128 has room for 2.
 HOPPER_STAGES = 2
 BACKWARD_STAGES_BY_HEAD_DIM = {64: 4}
+# The forward softmax's chains per row when the options leave it to the head dim (softmax_chains 0): two at d64, whose
+# step is as much softmax as products (paired on an H100: forward -1.4..-3.1%); one at d128 (within noise) and d256.
+SOFTMAX_CHAINS_BY_HEAD_DIM = {64: 2}
 # Head dims whose backward computes dQ in turns (the dq_in_turns option): at d128 a warpgroup's whole-width dQ
 # accumulator (64 registers) beside dK, dV and the next step's S^T left ptxas too few registers, and it serialised
 # every wgmma (C7512, 2.5 KB of spills).
@@ -128,6 +131,11 @@ class Resources:
     def shared_memory_bytes(self) -> int:
         """What the launch asks for: the storage plus 1 KB to align the dynamic base to 1024 bytes."""
         return self.shared_storage_bytes + 1024
+
+    @property
+    def softmax_chains(self) -> int:
+        """The forward softmax's chains per row: the softmax_chains option, else the head dim's default."""
+        return self.options.softmax_chains or SOFTMAX_CHAINS_BY_HEAD_DIM.get(self.config.head_dim, 1)
 
     @property
     def hopper_split_columns(self) -> bool:
