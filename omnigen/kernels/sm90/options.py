@@ -29,9 +29,9 @@ class HopperOptions(KernelOptions):
     # end, instead of one chain of 32 dependent FMNMX and 32 FADD a row at block_n 128; 0: the head dim's default
     # (resources.SOFTMAX_CHAINS_BY_HEAD_DIM: 2 at d64, else 1; "The softmax's chains, timed").
     softmax_chains: int = 0
-    # The consumer warpgroups take turns issuing their products (ping-pong, FlashAttention-3's schedule). Off since
-    # "Hopper forward, the sm90 family (issue 13)": no gain at d128, where a step's products take twice its softmax;
-    # back as an option for d64 and FP8, where the two are equal ("The forward's ping-pong, again").
+    # The consumer warpgroups take turns issuing their products (ping-pong, FlashAttention-3's schedule). Off: no gain
+    # at d128, where a step's products take twice its softmax ("Hopper forward, the sm90 family (issue 13)"), and
+    # 0.9..2.2% slower at d64, where the two are equal ("The forward's ping-pong, timed"). Kept for FP8, not timed.
     pingpong: bool = False
 
     # ---- the Hopper backward
