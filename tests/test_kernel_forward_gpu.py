@@ -213,8 +213,8 @@ def test_sm90_forward_tables_option_off(case, head_dim, dtype):
 
 @pytest.mark.parametrize("options", [{"pingpong": True}, {"pingpong": True, "persistent": False},
                                      {"softmax_chains": 1}, {"softmax_chains": 4},
-                                     {"softmax_chains": 2, "pingpong": True}, {"overlap_tiles": True}],
-                         ids=["pingpong", "pingpong-grid", "chains1", "chains4", "chains2-pingpong", "overlap"])
+                                     {"softmax_chains": 2, "pingpong": True}],
+                         ids=["pingpong", "pingpong-grid", "chains1", "chains4", "chains2-pingpong"])
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_forward_pingpong_and_softmax_chains(case, head_dim, dtype, options):
@@ -353,26 +353,6 @@ def test_sm90_persistent_forward_many_tiles_per_sm(variant, persistent_variants)
     # the counter is fresh per launch).
     again, again_lse = run_forward(module, rules, layout, q, k, v)
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
-
-
-# The overlap_tiles option: each CTA's tiles after its first start under the previous tile's last P V, including
-# after empty schedule rows; the same arithmetic per tile, so the same bits as without it.
-OVERLAPPED = [(128, "bf16", None, {}), (64, "fp16", 176, {}), (64, "bf16", None, {"pingpong": True})]
-
-
-@needs_sm90
-@pytest.mark.parametrize("head_dim,dtype,block_n,extra", OVERLAPPED,
-                         ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(v) or "alone")
-def test_sm90_forward_overlapped_tile_boundaries(head_dim, dtype, block_n, extra):
-    plain = _sm90_config(head_dim, dtype, block_n, True)
-    overlapped = with_options(plain, overlap_tiles=True, **extra)
-    cache.build_variants([cache.variant(TRANSFUSION, config) for config in (plain, overlapped)])
-    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_LAYOUTS])
-    q, k, v = _inputs(2, 16, 4, layout.seq_len, head_dim, DTYPES[dtype], strided=False)
-    out, lse = run_forward(cache.get_module(TRANSFUSION, overlapped), TRANSFUSION, layout, q, k, v)
-    _check_sliced(TRANSFUSION, layout, q, k, v, out, lse, dtype)
-    expected, expected_lse = run_forward(cache.get_module(TRANSFUSION, plain), TRANSFUSION, layout, q, k, v)
-    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
 
 
 @needs_sm90

@@ -134,7 +134,7 @@ def test_persistent_scheduling_is_an_option(persistent):
     forward, binding = sources[names["kernel"]], sources[names["binding"]]
     assert f"constexpr bool kPersistent = {'true' if persistent else 'false'};" in forward
     assert f"constexpr bool kPersistentForward = {'true' if persistent else 'false'};" in binding
-    for text in ("uint64_t q_empty[kQBuffers];", "HandedTile next_tile[2];", "atomicAdd(args.tile_counter, 1)",
+    for text in ("uint64_t q_empty;", "HandedTile next_tile[2];", "atomicAdd(args.tile_counter, 1)",
                  "cudaDevAttrMultiProcessorCount", "cudaDevAttrL2CacheSize",
                  f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}"):
         assert text in forward, text
@@ -312,35 +312,15 @@ def test_softmax_chains_render_independent_chains_and_default_by_head_dim():
 
 def test_pingpong_renders_turns_around_every_issue_and_is_off_by_default():
     """The pingpong option: the consumer warpgroups wait for their turn before issuing a step's products and hand it
-    on after, in the first step, every later step, the last P V and a tile boundary; off by default (the same module
-    as before)."""
+    on after, in the first step, every later step and the last P V; off by default (the same module as before)."""
     def forward(config):
         return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
 
     assert "constexpr bool kPingPong = false;" in forward(hopper(64))
     source = forward(hopper(64, pingpong=True))
     assert "constexpr bool kPingPong = true;" in source
-    assert source.count("wait_turn();") == 4 and source.count("pass_turn();") == 4  # with overlap_tiles' boundary
+    assert source.count("wait_turn();") == 3 and source.count("pass_turn();") == 3
     assert source.count("begin_turns();") == 2 and source.count("end_turns();") == 2  # persistent and grid paths
-
-
-def test_overlap_tiles_renders_two_q_buffers_and_needs_the_persistent_grid():
-    """The overlap_tiles option: two Q buffers in the shared storage the resource model counts, the overlapped loop
-    over tiles; off by default; with the grid of tiles (no tile boundary inside a CTA) a problem that says so."""
-    def forward(config):
-        return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
-
-    assert "constexpr bool kOverlapTiles = false;" in forward(hopper(128))
-    config = hopper(128, overlap_tiles=True)
-    source = forward(config)
-    assert "constexpr bool kOverlapTiles = true;" in source
-    assert f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}," in source
-    q_bytes = 128 * 128 * 2
-    assert resources.Resources(config).shared_storage_bytes - resources.Resources(hopper(128)).shared_storage_bytes == q_bytes
-    assert not kernels.problems(config)
-    assert any("overlap_tiles needs the persistent grid" in p
-               for p in kernels.problems(hopper(128, overlap_tiles=True, persistent=False)))
-    assert any("shared memory" in p for p in kernels.problems(hopper(256, overlap_tiles=True)))  # a second 64 KB Q
 
 
 def test_dq_in_turns_renders_a_whole_width_dq_product_at_d64_only():

@@ -86,7 +86,6 @@ class Sm90Family(KernelFamily):
             "tables_always_shared": o.tables_always_shared,
             "softmax_chains": r.softmax_chains,
             "pingpong": o.pingpong,
-            "overlap_tiles": o.overlap_tiles,
             # the backward
             "hopper_backward": not problems,
             "backward_supported": not problems,

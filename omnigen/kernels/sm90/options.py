@@ -33,10 +33,6 @@ class HopperOptions(KernelOptions):
     # at d128, where a step's products take twice its softmax ("Hopper forward, the sm90 family (issue 13)"), and
     # 0.9..2.2% slower at d64, where the two are equal ("The forward's ping-pong, timed"). Kept for FP8, not timed.
     pingpong: bool = False
-    # A work tile's first kv-step issued with the previous tile's last P V, on the persistent grid, and Q in two buffers
-    # so that the next tile's Q is in before it is needed: the tile boundary's softmax and P V no longer run with the
-    # other pipe idle ("Overlapped tile boundaries"). Not timed yet.
-    overlap_tiles: bool = False
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,

@@ -116,15 +116,14 @@ class Resources:
 
     @property
     def shared_storage_bytes(self) -> int:
-        """sizeof(SharedStorage): Q (two buffers with overlap_tiles), stages x (K, V) in 128-byte rows, stages x 3
-        int32 key tables, then the barriers (Q full and empty per buffer, full + empty for K and V per stage, the persistent grid's two tile slots'
+        """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, stages x 3 int32 key tables, then the
+        barriers (Q full and empty, full + empty for K and V per stage, the persistent grid's two tile slots'
         full + empty) and the two slots' tile numbers, rounded up to the 1024-byte alignment."""
         t = self.config.tile
-        q_buffers = 2 if self.options.overlap_tiles else 1
-        q = q_buffers * t.block_m * self.row_bytes
+        q = t.block_m * self.row_bytes
         kv = t.block_n * self.row_bytes
         tables = t.stages * 3 * t.block_n * 4
-        barriers = 8 * (2 * q_buffers + 4 * t.stages + 4)
+        barriers = 8 * (2 + 4 * t.stages + 4)
         slots = 2 * 48  # the persistent grid's two handed tiles (HandedTile: 12 int32)
         return -(-(q + 2 * t.stages * kv + tables + barriers + slots) // 1024) * 1024
 
@@ -284,8 +283,6 @@ class Resources:
         if registers > MAX_TILE_REGISTERS:
             out.append(f"block_n {t.block_n} with head_dim {c.head_dim} needs {registers} registers per consumer thread "
                        f"for scores, output and P (at most {MAX_TILE_REGISTERS} fit): lower block_n")
-        if self.options.overlap_tiles and not self.options.persistent:
-            out.append("option overlap_tiles needs the persistent grid (persistent=1): a tile boundary inside a CTA")
         limit = ARCH_TABLE[c.arch].shared_memory
         if not out and self.shared_memory_bytes > limit:
             out.append(f"the tile needs {self.shared_memory_bytes} bytes of shared memory, {c.arch} allows {limit}: "
