@@ -201,7 +201,8 @@ class Kernel:
             scale = check_call(q, k, v, layout, self.rules, scale, self.dtype, self.config.head_dim)
             _check_descale(q, k, v, descale)
             # under fullgraph=True: planned while Dynamo traces (op/traced_layouts.py)
-            mask = traced_layouts.traced_mask(("kernel", self.key), layout, q) or _prepare_kernel_layout(self, layout, q)
+            mask = (traced_layouts.traced_mask(("kernel", self.key), layout, q)
+                    or _prepare_kernel_layout(self, layout, q))
         check_mask(mask, q, self.rules_key, self.rules.name)
         if fp8.is_fp8(q):
             return fp8.forward(q, k, v, mask, self.key, scale, descale, return_lse)
@@ -455,7 +456,8 @@ def attention(
         scale = check_call(q, k, v, layout, rules, scale)  # every mistake of the call at once, before building
         _check_descale(q, k, v, descale)
         # under fullgraph=True: planned while Dynamo traces (op/traced_layouts.py)
-        mask = traced_layouts.traced_mask(("rules", rules.canonical), layout, q) or _prepare_attention_layout(rules, layout, q)
+        mask = (traced_layouts.traced_mask(("rules", rules.canonical), layout, q)
+                or _prepare_attention_layout(rules, layout, q))
     if fp8.is_fp8(q):
         return fp8.forward(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, descale, return_lse)
     return _call_op(q, k, v, mask, library.RULES_PREFIX + mask.rules_key, scale, deterministic, return_lse)
