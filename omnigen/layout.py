@@ -214,8 +214,9 @@ class Layout:
         self.handle = _new_handle(self)
 
     def __reduce__(self) -> tuple:
-        # built again (a handle of this process, no tables): not the slots copied, which would carry the handle over
-        return (Layout, (self.segments,))
+        # built again, unchecked (it passed the checks when first built), with a handle of this process and no
+        # tables: not the slots copied, which would carry the handle over
+        return (_unchecked_layout, (self.segments, self._seq_len))
 
     # -- construction ----------------------------------------------------------------------
 
@@ -622,11 +623,17 @@ _NEW_SEGMENT = functools.partial(tuple.__new__, Segment)
 def _trusted_layout(names: list[str], lengths: list[int], docs: list[int], seq_len: int) -> "Layout":
     """A Layout from columns already checked (ids in the rules, lengths >= 1, documents non-decreasing):
     Segment tuples made in C (map over zip), no per-segment Python code."""
+    return _unchecked_layout(tuple(map(_NEW_SEGMENT, zip(names, lengths, docs))), seq_len, frozenset(names))
+
+
+def _unchecked_layout(segments: tuple[Segment, ...], seq_len: int,
+                      modalities: frozenset[str] | None = None) -> "Layout":
+    """A Layout of segments that passed the checks already (made from checked columns, or unpickled)."""
     layout = Layout.__new__(Layout)
-    layout.segments = tuple(map(_NEW_SEGMENT, zip(names, lengths, docs)))
+    layout.segments = segments
     layout._tables = {}
     layout._seq_len = seq_len
-    layout._modalities = frozenset(names)
+    layout._modalities = modalities
     layout.handle = _new_handle(layout)
     return layout
 
