@@ -35,7 +35,8 @@ class HopperOptions(KernelOptions):
     pingpong: bool = False
     # This many of every 8 blocks of a step's scores (0 to 8) take their exponentials from a cubic on the FMA pipe
     # (common softmax.cuh's exp2_polynomial) instead of the MUFU unit, which bounds d64's step together with the tensor
-    # pipe ("Exponentials on the FMA pipe"). Not timed yet: 0 renders today's code.
+    # pipe ("Exponentials on the FMA pipe"; the backward's instruction-bound region was slower with it, session 23).
+    # Not timed in the forward yet: 0 renders today's code.
     exp2_emulated: int = 0
 
     # ---- the Hopper backward
