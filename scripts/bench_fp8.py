@@ -8,10 +8,15 @@ inputs (the first batch element, --error-heads heads): relative RMS and worst el
 FP8 forward and for the bf16 forward of the same (dequantised, bf16) values.
 
     PYTHONPATH=. python3 scripts/bench_fp8.py --sizes 8192 32768 --json fp8.json
+
+`--fp8-options` times more FP8 variants of the first tile, one per set of sm90 kernel options, in the same process:
+
+    PYTHONPATH=. python3 scripts/bench_fp8.py --fp8-options pingpong=1 exp2_emulated=2 pingpong=1,exp2_emulated=2
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
-from bench_backward import parse_tile  # noqa: E402
+from bench_backward import parse_options, parse_tile  # noqa: E402
 from kernel_workload import RULES, bench, standard_batch  # noqa: E402
 from omnigen.op.fp8 import transpose_values  # noqa: E402
 from omnigen.reference import attention_reference  # noqa: E402
@@ -39,8 +44,18 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
             "worst_over_max": float(diff.abs().max() / ref.abs().max())}
 
 
+def with_options(kernel: omnigen.Kernel, options: dict) -> omnigen.Kernel:
+    """The kernel's variant with these sm90 options (a pinned Kernel of its own module)."""
+    from omnigen.jit import cache
+    from omnigen.kernels.sm90.options import HopperOptions
+    from omnigen.op.kernel import Kernel
+
+    config = dataclasses.replace(kernel.config, options=HopperOptions(**options))
+    return Kernel(kernel.rules, config, cache.get_module(kernel.rules, config))
+
+
 def run(rules_name: str, S: int, tokens: int, heads: int, error_heads: int, seed: int,
-        fp8_tiles: list[omnigen.TileConfig]) -> dict:
+        fp8_tiles: list[omnigen.TileConfig], option_sets: list[dict]) -> dict:
     rules = RULES[rules_name]
     B, layouts = standard_batch(rules, S, tokens, seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -51,6 +66,9 @@ def run(rules_name: str, S: int, tokens: int, heads: int, error_heads: int, seed
     bf16 = omnigen.build(rules, 128, torch.bfloat16)
     fp8s = {tile.label: omnigen.build(rules, 128, torch.float8_e4m3fn, tile=tile) for tile in fp8_tiles}
     fp8 = next(iter(fp8s.values()))
+    for options in option_sets:
+        variant = with_options(fp8, options)
+        fp8s[variant.config.label] = variant
     mask = omnigen.mask(rules, layouts, "cuda", tiles=[(t.block_m, t.block_n) for t in fp8_tiles] + bf16.tile_shapes(S))
     row = {"rules": rules_name, "S": S, "B": B, "heads": heads, "bf16_variant": bf16.config.label,
            "fp8_variant": fp8.config.label}
@@ -92,23 +110,27 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp8-tiles", nargs="+", default=["128x192w12s2", "128x128w12s2"],
                         help="the FP8 variants' tiles, MxNwWsS (block_n 64, 128 or 192); the first gives fp8_ms")
+    parser.add_argument("--fp8-options", nargs="+", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="sm90 option sets, each timed as one more FP8 variant of the first tile "
+                             "(e.g. pingpong=1 exp2_emulated=2,pingpong=1)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     fp8_tiles = [parse_tile(text) for text in args.fp8_tiles]
+    option_sets = [parse_options(parser, text.split(",")) for text in args.fp8_options]
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("rules        S      bf16 ms  fp8 ms  (V^T ms)  fp8/bf16  cudnn bf16 ms  fp8 err rms/worst  bf16 err rms/worst")
     for rules_name in args.rules:
         for S in args.sizes:
-            row = run(rules_name, S, args.tokens, args.heads, args.error_heads, args.seed, fp8_tiles)
+            row = run(rules_name, S, args.tokens, args.heads, args.error_heads, args.seed, fp8_tiles, option_sets)
             rows.append(row)
             cudnn = f"{row['cudnn_bf16_ms']:.3f}" if "cudnn_bf16_ms" in row else "-"
             e8, e16 = row["fp8_error"], row["bf16_error"]
             print(f"{rules_name:12s} {S:6d} {row['bf16_ms']:8.3f} {row['fp8_ms']:7.3f} ({row['transpose_ms']:.3f})"
                   f"  {row['fp8_over_bf16']:7.2f}x  {cudnn:>13s}  {e8['relative_rms']:.4f}/{e8['worst_over_max']:.4f}"
                   f"      {e16['relative_rms']:.4f}/{e16['worst_over_max']:.4f}", flush=True)
-            if len(fp8_tiles) > 1:
-                print("    fp8 ms by tile: " + ", ".join(f"{k} {v:.3f}" for k, v in row["fp8_ms_by_tile"].items()))
+            if len(row["fp8_ms_by_tile"]) > 1:
+                print("    fp8 ms by variant: " + ", ".join(f"{k} {v:.3f}" for k, v in row["fp8_ms_by_tile"].items()))
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                          "rows": rows}, indent=1))
