@@ -100,7 +100,8 @@ def main() -> None:
                         help="sm90 options for the new tree's runs only (bench_backward.py's --options)")
     parser.add_argument("--cache", default="/tmp/ab-trees", help="kernel caches: CACHE-old and CACHE-new")
     parser.add_argument("--json", type=Path, help="also write every round's rows here")
-    parser.epilog = "-- then scripts/bench_backward.py's arguments (its --build-only and --options are this script's)"
+    parser.epilog = ("-- then scripts/bench_backward.py's arguments (its --build-only and --options are this script's; "
+                     "with --paired, `--passes forward` times a forward-only change in half the time)")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])

@@ -83,6 +83,9 @@ def main() -> None:
     parser.add_argument("--alternations", type=int, default=12,
                         help="with --against: timed batches of each tree per figure (default 12)")
     parser.add_argument("--json", type=Path, help="with --against: write every batch's figures here")
+    parser.add_argument("--passes", nargs="+", choices=("forward", "fwd+bwd"), default=["forward", "fwd+bwd"],
+                        help="with --against: the passes timed (forward alone, for a change to the forward only, "
+                             "takes half the time)")
     add_options_option(parser)
     args = parser.parse_args()
     options = parse_options(parser, args.options)
@@ -183,8 +186,8 @@ def paired(args, options: dict) -> None:
                     def both(call, old=old, new=new):  # the pass as each tree's call
                         return {"old": lambda: call(old), "new": lambda: call(new)}
 
-                    passes = {"forward": both(lambda kernel: kernel(q, k, v, mask))}
-                    if new.module.HAS_BACKWARD:
+                    passes = {"forward": both(lambda kernel: kernel(q, k, v, mask))} if "forward" in args.passes else {}
+                    if new.module.HAS_BACKWARD and "fwd+bwd" in args.passes:
                         passes["fwd+bwd"] = both(lambda kernel: torch.autograd.grad(
                             kernel(q, k, v, mask, deterministic=args.deterministic), (q, k, v), d_o))
                     for pass_name, functions in passes.items():
