@@ -312,6 +312,20 @@ def test_softmax_chains_render_independent_chains_and_default_by_head_dim():
         assert any("softmax_chains must be 1, 2, 4 or 8" in p for p in kernels.problems(hopper(128, softmax_chains=wrong)))
 
 
+def test_softmax_before_wait_stores_the_row_sums_ahead_of_the_wait_for_p_v():
+    """The softmax_before_wait option: in every later step, the row sums go to the never-taken store before the
+    wait for P V (ptxas keeps that order, so every exponential comes first); off by default."""
+    def forward(config):
+        return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+
+    assert "constexpr bool kSoftmaxBeforeWait = false;" in forward(hopper(128))
+    source = forward(hopper(64, softmax_before_wait=True))
+    assert "constexpr bool kSoftmaxBeforeWait = true;" in source
+    step = source[source.index("void step(int step, int key_start)"):source.index("void last_values(int step)")]
+    assert step.index("softmax.step(") < step.index("complete_before_wait(softmax.sum[0], softmax.sum[1]") \
+        < step.index("sm90::wgmma_wait<0>();")
+
+
 def test_exp2_emulated_renders_its_count_and_checks_its_range():
     def forward(config):
         return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]

@@ -87,6 +87,7 @@ class Sm90Family(KernelFamily):
             "softmax_chains": r.softmax_chains,
             "pingpong": o.pingpong,
             "exp2_emulated": o.exp2_emulated,
+            "softmax_before_wait": o.softmax_before_wait,
             # the backward
             "hopper_backward": not problems,
             "backward_supported": not problems,

@@ -33,6 +33,11 @@ class HopperOptions(KernelOptions):
     # at d128, where a step's products take twice its softmax ("Hopper forward, the sm90 family (issue 13)"), and
     # 0.9..2.2% slower at d64, where the two are equal ("The forward's ping-pong, timed"). Kept for FP8, not timed.
     pingpong: bool = False
+    # A step's softmax completed before the step waits for its P V product: its row sums (so every exponential) are
+    # stored, never, to shared memory ahead of the wait, which ptxas keeps in order. Without it ptxas issues the wait
+    # after the first few exponentials (2 of 66 at d64, 22 at d128, none in FP8's full steps), and the rest of the
+    # softmax runs after P V instead of under it ("The softmax under P V"). Not timed yet.
+    softmax_before_wait: bool = False
     # This many of every 8 blocks of a step's scores (0 to 8) take their exponentials from a cubic on the FMA pipe
     # (common softmax.cuh's exp2_polynomial) instead of the MUFU unit, which bounds d64's step together with the tensor
     # pipe ("Exponentials on the FMA pipe"; the backward's instruction-bound region was slower with it, session 23).
