@@ -185,8 +185,9 @@ _LIVE: "weakref.WeakValueDictionary[str, AnyLayout]" = weakref.WeakValueDictiona
 _HANDLES = itertools.count()
 
 
-def _new_handle(layout: "AnyLayout") -> str | None:
-    if _dynamo_tracing():
+def _new_handle(layout: "AnyLayout", tracing: bool | None = None) -> str | None:
+    """`tracing`: _dynamo_tracing(), where the caller has asked already."""
+    if _dynamo_tracing() if tracing is None else tracing:
         return None  # one built inside a trace: the trace has its segments as constants already
     handle = f"layout#{next(_HANDLES)}"
     _LIVE[handle] = layout
@@ -209,9 +210,10 @@ class Layout:
     def __init__(self, segments: Iterable[Segment]) -> None:
         self.segments: tuple[Segment, ...] = tuple(segments)
         self._tables: dict = {}
-        self._seq_len = _check_segments(self.segments)
+        tracing = _dynamo_tracing()  # asked once a layout
+        self._seq_len = _check_segments(self.segments, tracing)
         self._modalities: frozenset[str] | None = None
-        self.handle = _new_handle(self)
+        self.handle = _new_handle(self, tracing)
 
     def __reduce__(self) -> tuple:
         # built again, unchecked (it passed the checks when first built), with a handle of this process and no
@@ -673,13 +675,14 @@ def _dynamo_tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _check_segments(segments: tuple[Segment, ...]) -> int:
-    """Raise ValueError on the first bad segment; return the number of tokens."""
+def _check_segments(segments: tuple[Segment, ...], tracing: bool) -> int:
+    """Raise ValueError on the first bad segment; return the number of tokens. `tracing` (_dynamo_tracing()): every
+    name is checked and the cache of good names left as it is."""
     if not segments:
         raise ValueError("a layout needs at least one segment")
     previous_doc = 0
     total = 0
-    known = frozenset() if _dynamo_tracing() else _GOOD_MODALITY_NAMES  # asked once a layout, not once a segment
+    known = frozenset() if tracing else _GOOD_MODALITY_NAMES
     for index, (modality, length, doc) in enumerate(segments):
         if modality not in known:
             if not isinstance(modality, str) or not _MODALITY_RE.match(modality):

@@ -37,23 +37,14 @@ __device__ __forceinline__ float quad_sum(float value) {
   return value + __shfl_xor_sync(0xffffffffu, value, 2);
 }
 
-// v[0] becomes the max (the sum) of v[0..kCount), combined in pairs: log2(kCount) dependent steps, not kCount.
-template <int kCount>
-__device__ __forceinline__ float tree_max(float (&v)[kCount]) {
+// v[0] becomes `combine` of v[0..kCount) (fmaxf: the max; a sum), taken in pairs: log2(kCount) dependent steps, not
+// kCount.
+template <int kCount, typename Combine>
+__device__ __forceinline__ float tree_reduce(float (&v)[kCount], Combine combine) {
 #pragma unroll
   for (int width = kCount / 2; width > 0; width /= 2) {
 #pragma unroll
-    for (int c = 0; c < width; ++c) v[c] = fmaxf(v[c], v[c + width]);
-  }
-  return v[0];
-}
-
-template <int kCount>
-__device__ __forceinline__ float tree_sum(float (&v)[kCount]) {
-#pragma unroll
-  for (int width = kCount / 2; width > 0; width /= 2) {
-#pragma unroll
-    for (int c = 0; c < width; ++c) v[c] += v[c + width];
+    for (int c = 0; c < width; ++c) v[c] = combine(v[c], v[c + width]);
   }
   return v[0];
 }
@@ -81,7 +72,8 @@ struct RowPairSoftmax {
       for (int i = 0; i < kScores; ++i) {
         if (half_of(i) == h) chain_max[(i / 4) % kChains] = fmaxf(chain_max[(i / 4) % kChains], s[i]);
       }
-      const float tile_max = quad_max(tree_max(chain_max)) * scale_log2;
+      const float tile_max =
+          quad_max(tree_reduce(chain_max, [](float a, float b) { return fmaxf(a, b); })) * scale_log2;
       const float new_max = fmaxf(max[h], tile_max);
       // A row with no allowed key so far keeps max -inf: offset 0 makes every exp2 exactly 0.
       const float offset = new_max == -INFINITY ? 0.f : new_max;
@@ -98,7 +90,7 @@ struct RowPairSoftmax {
           chain_sum[(i / 4) % kChains] += s[i];
         }
       }
-      sum[h] = sum[h] * rescale[h] + tree_sum(chain_sum);
+      sum[h] = sum[h] * rescale[h] + tree_reduce(chain_sum, [](float a, float b) { return a + b; });
     }
   }
 };
