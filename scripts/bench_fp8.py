@@ -11,7 +11,7 @@ FP8 forward and for the bf16 forward of the same (dequantised, bf16) values.
 
 `--fp8-options` times more FP8 variants of the first tile, one per set of sm90 kernel options, in the same process:
 
-    PYTHONPATH=. python3 scripts/bench_fp8.py --fp8-options pingpong=1 exp2_emulated=2 pingpong=1,exp2_emulated=2
+    PYTHONPATH=. python3 scripts/bench_fp8.py --fp8-options pingpong=1 softmax_chains=2 pingpong=1,softmax_chains=2
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def main() -> None:
                         help="the FP8 variants' tiles, MxNwWsS (block_n 64, 128 or 192); the first gives fp8_ms")
     parser.add_argument("--fp8-options", nargs="+", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                         help="sm90 option sets, each timed as one more FP8 variant of the first tile "
-                             "(e.g. pingpong=1 exp2_emulated=2,pingpong=1)")
+                             "(e.g. pingpong=1 softmax_chains=2,pingpong=1)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     fp8_tiles = [parse_tile(text) for text in args.fp8_tiles]

@@ -158,32 +158,6 @@ def test_the_fp8_forward_at_every_kv_tile(block_n, stages):
     assert relative_rms(out, ref) < 0.04 and float((out.double() - ref).abs().max() / ref.abs().max()) < 0.12
 
 
-@pytest.mark.parametrize("options", [{"softmax_before_wait": True}, {"exp2_emulated": 2}, {"pingpong": True}],
-                         ids=["softmax-first", "exp2-2of8", "pingpong"])
-def test_the_fp8_forward_with_step_options(options):
-    """FP8's step is bound by its exponentials as d64's is: the options that reorder or offload them. Reordering
-    alone (softmax_before_wait) gives the default's bits; the others stay within the tiles' error bound."""
-    from omnigen.jit import cache
-    from omnigen.op.kernel import Kernel
-
-    from kernel_cases import with_options
-
-    layout = omnigen.Layout.batch([omnigen.Layout.parse("text:37 image:256 text:101 image:256 text:50 image:300"),
-                                   omnigen.Layout.parse("text:500 image:300@1 text:200@1")])
-    (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=5)
-    default = omnigen.build(TRANSFUSION, 128, torch.float8_e4m3fn)
-    config = with_options(default.config, **options)
-    kernel = Kernel(TRANSFUSION, config, cache.get_module(TRANSFUSION, config))
-    with torch.no_grad():
-        out = kernel(q8, k8, v8, layout, descale=descale)
-        expected = default(q8, k8, v8, layout, descale=descale)
-    if options == {"softmax_before_wait": True}:
-        assert torch.equal(out, expected)
-    dq, dk, dv = descale
-    ref, _ = attention_reference(q8.double() * dq, k8.double() * dk, v8.double() * dv, layout, TRANSFUSION)
-    assert relative_rms(out, ref) < 0.04 and float((out.double() - ref).abs().max() / ref.abs().max()) < 0.12
-
-
 @pytest.mark.parametrize("made_beforehand", [True, False])
 def test_the_fp8_forward_compiles_to_one_op_and_equals_eager(made_beforehand):
     """Under torch.compile(fullgraph=True) the FP8 call is one `omnigen::attention_fp8` node (no graph break) and gives

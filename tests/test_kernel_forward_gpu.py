@@ -207,19 +207,14 @@ def test_sm90_forward_tables_option_off(case, head_dim, dtype):
 
 
 # ---- the sm90 forward with ping-pong (the pingpong option, off by default): the consumer warpgroups take turns
-# issuing their products, on the persistent grid (turns carried across work tiles) and on the grid of tiles;
-# softmax_chains other than the head dim's default (each row's max and sum in independent chains); exponentials
-# on the FMA pipe (exp2_emulated: a quarter of them, and all, masked scores and empty rows included); and the softmax
-# ordered before the wait for P V (softmax_before_wait).
+# issuing their products, on the persistent grid (turns carried across work tiles) and on the grid of tiles; and
+# softmax_chains other than the head dim's default (each row's max and sum in independent chains).
 
 
 @pytest.mark.parametrize("options", [{"pingpong": True}, {"pingpong": True, "persistent": False},
                                      {"softmax_chains": 1}, {"softmax_chains": 4},
-                                     {"softmax_chains": 2, "pingpong": True}, {"exp2_emulated": 2},
-                                     {"exp2_emulated": 8}, {"softmax_before_wait": True},
-                                     {"softmax_before_wait": True, "persistent": False}],
-                         ids=["pingpong", "pingpong-grid", "chains1", "chains4", "chains2-pingpong", "exp2-2of8",
-                              "exp2-all", "softmax-first", "softmax-first-grid"])
+                                     {"softmax_chains": 2, "pingpong": True}],
+                         ids=["pingpong", "pingpong-grid", "chains1", "chains4", "chains2-pingpong"])
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16")])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_forward_pingpong_and_softmax_chains(case, head_dim, dtype, options):

@@ -86,8 +86,6 @@ class Sm90Family(KernelFamily):
             "tables_always_shared": o.tables_always_shared,
             "softmax_chains": r.softmax_chains,
             "pingpong": o.pingpong,
-            "exp2_emulated": o.exp2_emulated,
-            "softmax_before_wait": o.softmax_before_wait,
             # the backward
             "hopper_backward": not problems,
             "backward_supported": not problems,

@@ -31,18 +31,8 @@ class HopperOptions(KernelOptions):
     softmax_chains: int = 0
     # The consumer warpgroups take turns issuing their products (ping-pong, FlashAttention-3's schedule). Off: no gain
     # at d128, where a step's products take twice its softmax ("Hopper forward, the sm90 family (issue 13)"), and
-    # 0.9..2.2% slower at d64, where the two are equal ("The forward's ping-pong, timed"). Kept for FP8, not timed.
+    # 0.9..2.2% slower at d64, where the two are equal ("The forward's ping-pong, timed"); FP8 d128 +1.4% (H100, 32K).
     pingpong: bool = False
-    # A step's softmax completed before the step waits for its P V product: its row sums (so every exponential) are
-    # stored, never, to shared memory ahead of the wait, which ptxas keeps in order. Without it ptxas issues the wait
-    # after the first few exponentials (2 of 66 at d64, 22 at d128, none in FP8's full steps), and the rest of the
-    # softmax runs after P V instead of under it ("The softmax under P V"). Not timed yet.
-    softmax_before_wait: bool = False
-    # This many of every 8 blocks of a step's scores (0 to 8) take their exponentials from a cubic on the FMA pipe
-    # (common softmax.cuh's exp2_polynomial) instead of the MUFU unit, which bounds d64's step together with the tensor
-    # pipe ("Exponentials on the FMA pipe"; the backward's instruction-bound region was slower with it, session 23).
-    # Not timed in the forward yet: 0 renders today's code.
-    exp2_emulated: int = 0
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
@@ -98,10 +88,6 @@ class HopperOptions(KernelOptions):
         if self.softmax_chains not in (0, 1, 2, 4, 8) or isinstance(self.softmax_chains, bool):
             out.append(f"option softmax_chains must be 1, 2, 4 or 8 (0: the head dim's default), "
                        f"not {self.softmax_chains!r}")
-        emulated = self.exp2_emulated
-        if not isinstance(emulated, int) or isinstance(emulated, bool) or not 0 <= emulated <= 8:
-            out.append(f"option exp2_emulated must be an integer from 0 to 8 (of every 8 blocks of scores), "
-                       f"not {self.exp2_emulated!r}")
         if self.backward_stages == 1:
             out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
         return out

@@ -14,19 +14,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
   return y;
 }
 
-// 2^x for a shifted score (x <= 0, or -inf) on the FMA pipe instead of the MUFU unit, which the exponentials of a
-// small head dim's step saturate: x rounds to the nearest integer n by the 1.5 * 2^23 trick (the low bits of the sum
-// hold n), 2^(x - n) comes from a cubic on [-0.5, 0.5] (relative error 1.0e-4, against the bf16 rounding of P's
-// 3.9e-3), and n is added to its exponent field. x is clamped at -127 first: -inf gives exactly +0 (n = -127, f = 0,
-// the cubic's exact 1), so masked scores stay harmless; any x < -126 gives a value below 2^-126.
-__device__ __forceinline__ float exp2_polynomial(float x) {
-  const float clamped = fmaxf(x, -127.f);
-  const float shifted = clamped + 12582912.f;
-  const float f = clamped - (shifted - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05500858f, f, 0.24221037f), f, 0.6932829f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-}
-
 __device__ __forceinline__ float quad_max(float value) {
   value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 1));
   return fmaxf(value, __shfl_xor_sync(0xffffffffu, value, 2));
@@ -52,12 +39,10 @@ __device__ __forceinline__ float tree_reduce(float (&v)[kCount], Combine combine
 // Online softmax state of a thread's two rows (register i of kScores is row half_of(i)): running max (log2 units,
 // scaled), partial row sums. Each row's max and sum of a step run in kChains independent chains (register i in
 // chain (i / 4) % kChains), combined in pairs at the end: one chain is kScores / 2 dependent FMNMX (and FADD),
-// whose latency a warp with few neighbours to switch to waits out. (kChains = 1: a single chain each.) kEmulated of
-// every 8 blocks of 4 registers take their exponentials from exp2_polynomial (the FMA pipe), the rest from the MUFU.
-template <int kScores, int kChains = 1, int kEmulated = 0>
+// whose latency a warp with few neighbours to switch to waits out. (kChains = 1: a single chain each.)
+template <int kScores, int kChains = 1>
 struct RowPairSoftmax {
   static_assert(kChains >= 1 && (kChains & (kChains - 1)) == 0, "chains: a power of two");
-  static_assert(kEmulated >= 0 && kEmulated <= 8, "emulated exponentials: 0 to 8 of every 8 blocks");
   float max[2] = {-INFINITY, -INFINITY};
   float sum[2] = {0.f, 0.f};
 
@@ -85,8 +70,7 @@ struct RowPairSoftmax {
 #pragma unroll
       for (int i = 0; i < kScores; ++i) {
         if (half_of(i) == h) {
-          const float x = s[i] * scale_log2 - offset;
-          s[i] = (i / 4) % 8 < kEmulated ? exp2_polynomial(x) : exp2_fast(x);
+          s[i] = exp2_fast(s[i] * scale_log2 - offset);
           chain_sum[(i / 4) % kChains] += s[i];
         }
       }

@@ -43,14 +43,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 }
 
-// Makes what computes `a` and `b` come before the next wgmma_wait: a shared-memory store of them that never happens
-// (`never`, false at run time but not known to ptxas), which ptxas keeps ahead of the wait. ptxas otherwise issues a
-// wait as early as the ordered instructions before it allow, wherever the arithmetic between them lands.
-__device__ __forceinline__ void complete_before_wait(float a, float b, bool never, uint32_t shared_address) {
-  asm volatile("{\n.reg .pred never;\nsetp.ne.b32 never, %2, 0;\n@never st.shared.v2.f32 [%3], {%0, %1};\n}\n"
-               ::"f"(a), "f"(b), "r"(int(never)), "r"(shared_address) : "memory");
-}
-
 // Ties accumulator registers to this point: the compiler may not move their reads or writes across it
 // (wgmma runs asynchronously; only wgmma_wait says its registers are ready).
 template <int N>
