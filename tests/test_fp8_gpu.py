@@ -158,6 +158,25 @@ def test_the_fp8_forward_at_every_kv_tile(block_n, stages):
     assert relative_rms(out, ref) < 0.04 and float((out.double() - ref).abs().max() / ref.abs().max()) < 0.12
 
 
+def test_the_fp8_forward_stores_o_by_tma_with_the_stores_bits():
+    """FP8's O (bf16) staged and stored by TMA (the default, output_by_tma): the stores' output, bit for bit."""
+    from omnigen.jit import cache
+    from omnigen.op.kernel import Kernel
+
+    from kernel_cases import with_options
+
+    layout = omnigen.Layout.batch([omnigen.Layout.parse("text:37 image:256 text:101 image:256 text:50 image:300"),
+                                   omnigen.Layout.parse("text:500 image:300@1 text:200@1")])
+    (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=5)
+    default = omnigen.build(TRANSFUSION, 128, torch.float8_e4m3fn)
+    config = with_options(default.config, output_by_tma=False)
+    kernel = Kernel(TRANSFUSION, config, cache.get_module(TRANSFUSION, config))
+    with torch.no_grad():
+        out = kernel(q8, k8, v8, layout, descale=descale)
+        expected = default(q8, k8, v8, layout, descale=descale)
+    assert not torch.isnan(out).any() and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("made_beforehand", [True, False])
 def test_the_fp8_forward_compiles_to_one_op_and_equals_eager(made_beforehand):
     """Under torch.compile(fullgraph=True) the FP8 call is one `omnigen::attention_fp8` node (no graph break) and gives

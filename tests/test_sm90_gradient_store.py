@@ -1,11 +1,12 @@
-"""The Hopper backward's dK/dV epilogue by TMA (store_gradients_by_tma) without a GPU: each warpgroup's accumulator
-fragments, written by stmatrix at the addresses the rendered kernel computes (its formulas quoted from the source),
-land where a TMA store of [64 keys][64 head dims] boxes with the 128-byte swizzle reads each element, so the tensor
-in global memory is dK (dV) itself; wrong swizzles or row halves fail the same check. Also: which variants take the
-path (element-type gradients of one kv head per query head, not split columns).
+"""The Hopper epilogues by TMA without a GPU: the backward's dK/dV (store_gradients_by_tma) and the forward's O
+(store_by_tma, the output_by_tma option). Each warpgroup's accumulator fragments, written by stmatrix at the addresses
+the rendered kernel computes (its formulas quoted from the source), land where a TMA store of [64 rows][64 head dims]
+boxes with the 128-byte swizzle reads each element, so the tensor in global memory is dK (dV, O) itself; wrong
+swizzles or row halves fail the same check. Also: which variants take the paths (the backward: element-type gradients
+of one kv head per query head, not split columns; the forward: where its staging buffer fits).
 
-The GPU tests of the same epilogue: `pytest -m gpu tests/test_kernel_backward_gpu.py` (every MHA case stores this
-way; GQA keeps the fp32 stores).
+The GPU tests of the same epilogues: `pytest -m gpu tests/test_kernel_backward_gpu.py` (every MHA case stores this
+way; GQA keeps the fp32 stores) and `-k output_by_tma` in tests/test_kernel_forward_gpu.py and tests/test_fp8_gpu.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 
 from omnigen.jit import codegen
 from omnigen.kernels.sm90 import resources
-from omnigen.targets import KernelConfig
+from omnigen.kernels.sm90.options import HopperOptions
+from omnigen.targets import KernelConfig, TileConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import TRANSFUSION  # noqa: E402
@@ -55,12 +57,16 @@ def formulas(source: str) -> dict[str, object]:
 HELPERS = {"key_block_of": lambda w: w, "kKeysPerWarpgroup": KEYS_PER_WARPGROUP}
 
 
-def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | None]]:
-    """[128 keys][head_dim] as a TMA store of each warpgroup's boxes would write it, every accumulator element
-    tagged by its (key, head dim) per the wgmma fragment layout: lane l of warp w holds rows 16 w + l / 4 (+ 8 h) and
-    columns 8 g + 2 (l % 4) + e in register 4 g + 2 h + e."""
+def stored_by_tma(head_dim: int, found: dict[str, object], helpers: dict[str, object],
+                  buffer_per_warpgroup: bool) -> list[list[object]]:
+    """[128 rows][head_dim] as TMA stores of each warpgroup's boxes would write them, every accumulator element
+    tagged by its (row, column) per the wgmma fragment layout: lane l of warp w holds rows 16 w + l / 4 (+ 8 h) and
+    columns 8 g + 2 (l % 4) + e in register 4 g + 2 h + e. The backward stages both warpgroups' keys in K's (V's)
+    buffer, boxes of 128 rows; the forward gives each warpgroup its own boxes of 64 rows (buffer_per_warpgroup)."""
     boxes = head_dim // BOX_COLUMNS
-    buffer: dict[int, tuple[int, int]] = {}  # byte offset in K's buffer -> tag of the 16-bit element there
+    box_rows = KEYS_PER_WARPGROUP if buffer_per_warpgroup else 128
+    shared: dict[int, object] = {}
+    buffers = [{}, {}] if buffer_per_warpgroup else [shared, shared]  # byte offset -> tag of the 16-bit element
     for warpgroup in range(2):
         for warp in range(4):
             # per k16: the four registers each lane gives stmatrix, and the row addresses lanes 8 m .. 8 m + 7 give
@@ -70,9 +76,9 @@ def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | 
                 registers, addresses = {}, {}
                 for lane in range(32):
                     matrix = lane // 8
-                    row = evaluate(found["row"], **HELPERS, warpgroup=warpgroup, warp=warp, matrix=matrix, lane=lane)
+                    row = evaluate(found["row"], **helpers, warpgroup=warpgroup, warp=warp, matrix=matrix, lane=lane)
                     chunk = evaluate(found["chunk"], k16=k16, matrix=matrix, row=row)
-                    addresses[lane] = box * BOX_BYTES + row * ROW_BYTES + chunk * 16
+                    addresses[lane] = box * box_rows * ROW_BYTES + row * ROW_BYTES + chunk * 16
                     tags = []
                     for index_pair in found["operands"]:
                         pair_tags = []
@@ -83,22 +89,23 @@ def stored_gradient(head_dim: int, found: dict[str, object]) -> list[list[int | 
                             pair_tags.append((key, 8 * group + 2 * (lane % 4) + e))
                         tags.append(pair_tags)
                     registers[lane] = tags
-                store_matrices(buffer, addresses, registers)
+                store_matrices(buffers[warpgroup], addresses, registers)
     # TMA store of box b, rows 64 w on: element (r, c) of the box sits at chunk (2 c / 16) ^ (r % 8) of its row
     out: list[list[object]] = [[None] * head_dim for _ in range(128)]
     for warpgroup in range(2):
         for box in range(boxes):
             for r in range(KEYS_PER_WARPGROUP):
-                row = 64 * warpgroup + r
+                row = r if buffer_per_warpgroup else 64 * warpgroup + r  # the row within the staging buffer
                 for c in range(BOX_COLUMNS):
                     byte = 2 * c
-                    at = box * BOX_BYTES + row * ROW_BYTES + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
-                    out[row][box * BOX_COLUMNS + c] = buffer.get(at)
+                    at = box * box_rows * ROW_BYTES + row * ROW_BYTES + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
+                    out[64 * warpgroup + r][box * BOX_COLUMNS + c] = buffers[warpgroup].get(at)
     return out
 
 
-def check(head_dim: int, found: dict[str, object]) -> None:
-    out = stored_gradient(head_dim, found)
+def check(head_dim: int, found: dict[str, object], helpers: dict[str, object] = HELPERS,
+          buffer_per_warpgroup: bool = False) -> None:
+    out = stored_by_tma(head_dim, found, helpers, buffer_per_warpgroup)
     for key in range(128):
         for column in range(head_dim):
             assert out[key][column] == (key, column), (key, column, out[key][column])
@@ -133,3 +140,72 @@ def test_which_variants_store_by_tma():
     d256 = rendered_backward(256)
     assert "constexpr bool kDqByTma = !kSplitColumns;" in d256 and "constexpr bool kSplitColumns = true;" in d256
     assert "const CUtensorMap* dk_map(const TensorMapsOf<false>&) { return nullptr; }" in d256
+
+
+# ---- the forward's O (store_by_tma)
+
+
+def rendered_forward(head_dim: int, dtype: str = "bf16", stages: int = 2, **options: bool) -> str:
+    tile = resources.default_tile(head_dim, dtype)
+    config = KernelConfig(head_dim, dtype, "sm_90a", TileConfig(tile.block_m, tile.block_n, tile.warps, stages),
+                          options=HopperOptions(**options), forward_only=dtype == "e4m3")
+    return codegen.render(TRANSFUSION, config)[codegen.source_names(TRANSFUSION, config)["kernel"]]
+
+
+def forward_formulas(source: str) -> dict[str, object]:
+    """store_by_tma's row, chunk and box expressions and stmatrix operands; checks on the way that each value is
+    scaled by its own row's 1 / sum (inverse[h] for register half h)."""
+    start = source.index("void store_by_tma(")
+    body = source[start:source.index("\n  }\n", start)]
+    operands = []
+    for a, ia, b, ib in re.findall(r"pack<Output>\(x\[(\d)\] \* inverse\[(\d)\], x\[(\d)\] \* inverse\[(\d)\]\)", body):
+        assert int(ia) == int(a) % 4 // 2 and int(ib) == int(b) % 4 // 2, (a, ia, b, ib)
+        operands.append((int(a), int(b)))
+    return {"row": re.search(r"const int row = (.+?);", body).group(1),
+            "chunk": re.search(r"const int chunk = (.+?);", body).group(1),
+            "box": re.search(r"boxes \+ \((.+?)\) \* kOutputBoxBytes", body).group(1),
+            "operands": operands,
+            "first": re.search(r"x = o \+ (.+?);", body).group(1)}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_forward_boxes_hold_each_output_element_in_place(head_dim):
+    # (d64 does not take the path by default; the formulas are the same template's at any head dim)
+    source = rendered_forward(128)
+    check(head_dim, forward_formulas(source), {}, buffer_per_warpgroup=True)
+
+
+@pytest.mark.parametrize("mutation", [
+    ("chunk", "(2 * (k16 % 4) + matrix / 2) ^ (row % 4)"),
+    ("row", "16 * warp + 8 * (matrix / 2) + lane % 8"),
+    ("box", "k16 / 2"),
+    ("operands", [(0, 1), (4, 5), (2, 3), (6, 7)]),
+])
+def test_the_forward_emulation_fails_on_wrong_addresses(mutation):
+    found = forward_formulas(rendered_forward(128))
+    found[mutation[0]] = mutation[1]
+    with pytest.raises(AssertionError):
+        check(128, found, {}, buffer_per_warpgroup=True)
+
+
+def test_which_forward_variants_store_o_by_tma():
+    """On by default at d128 (FP8's too): a staging buffer of 128 rows x head_dim x 2 bytes, an O map encoded for the
+    output type (FP8's bf16), the exit waiting for the last reads. Off with the option, at d64 (slower there), and where
+    the buffer does not fit beside Q and the K/V ring (d256, 3 stages at d128): the stores, no buffer, no O map."""
+    def variant(head_dim, dtype="bf16", stages=2, **options):
+        tile = resources.default_tile(head_dim, dtype)
+        return resources.Resources(KernelConfig(head_dim, dtype, "sm_90a",
+                                                TileConfig(tile.block_m, tile.block_n, tile.warps, stages),
+                                                options=HopperOptions(**options), forward_only=dtype == "e4m3"))
+    source = rendered_forward(128)
+    assert "constexpr bool kOutputByTma = true;" in source and "c.store_by_tma(maps, head);" in source
+    assert "CUtensorMap q, k, v, o;" in source and "tensor_map<Output>(&maps.o, o, message, message_size)" in source
+    assert source.count("end_output();") == 2  # the persistent loop's end and the grid's one tile
+    assert variant(128).shared_storage_bytes == variant(128, output_by_tma=False).shared_storage_bytes + 128 * 128 * 2
+    assert variant(128).output_by_tma and variant(128, "e4m3").output_by_tma
+    for off in (variant(128, output_by_tma=False), variant(64), variant(256), variant(128, stages=3)):
+        assert not off.output_by_tma
+    assert variant(64).shared_storage_bytes == variant(64, output_by_tma=False).shared_storage_bytes
+    for stores in (rendered_forward(128, output_by_tma=False), rendered_forward(64), rendered_forward(256)):
+        assert "constexpr bool kOutputByTma = false;" in stores and "store_by_tma" not in stores
+        assert "CUtensorMap q, k, v;" in stores and "uint8_t o[2]" not in stores and "c.store(head);" in stores

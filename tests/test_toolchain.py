@@ -37,7 +37,7 @@ SM90A = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(1
 
 
 # SM90A with the forward's options that are on by default off (a grid of tiles, key tables from either memory,
-# partial tiles evaluated), so that those paths compile too.
+# partial tiles evaluated), so that those paths compile too. (O by TMA, on by default at d128: the FP8 variants.)
 OTHER_SCHEDULING = with_options(SM90A, persistent=False, tables_always_shared=False, partial_bits=False)
 # The d256 Hopper backward (split columns: both warpgroups over 64 keys, dQ by atomics; its walk without early
 # scores).

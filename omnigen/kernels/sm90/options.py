@@ -33,6 +33,14 @@ class HopperOptions(KernelOptions):
     # at d128, where a step's products take twice its softmax ("Hopper forward, the sm90 family (issue 13)"), and
     # 0.9..2.2% slower at d64, where the two are equal ("The forward's ping-pong, timed"); FP8 d128 +1.4% (H100, 32K).
     pingpong: bool = False
+    # O leaves through shared memory: each consumer warpgroup writes its 64 rows into a staging buffer of their own by
+    # stmatrix and one thread stores them by TMA, instead of 4-byte stores from every thread (Nsight at d128, 8K:
+    # those stores and the waits behind their queue were 2% of the consumers' samples; cuDNN stages O this way). On:
+    # d128 forward -4.3 / -6.1% at 8K (causal / Transfusion, H100), within 0.2% at 32K ("O by TMA from a staging
+    # buffer of its own"). No effect at d64 (resources.OUTPUT_BY_TMA_HEAD_DIMS: there +0.2..+1.7%, its 16 stores a
+    # thread cost less than the two barriers) or where the buffer (128 x head_dim x 2 bytes) does not fit beside Q and
+    # the K/V ring (d256, 3 stages at d128).
+    output_by_tma: bool = True
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,

@@ -45,6 +45,9 @@ BACKWARD_STAGES_BY_HEAD_DIM = {64: 4}
 # The forward softmax's chains per row when the options leave it to the head dim (softmax_chains 0): two at d64, whose
 # step is as much softmax as products (paired on an H100: forward -1.4..-3.1%); one at d128 (within noise) and d256.
 SOFTMAX_CHAINS_BY_HEAD_DIM = {64: 2}
+# Head dims whose forward stores O by TMA from a staging buffer (the output_by_tma option): d128 (FP8's too), where
+# it took 4-6% off the 8K forward; at d64 it was 0.2-1.7% slower (its epilogue has half the stores).
+OUTPUT_BY_TMA_HEAD_DIMS = (128,)
 # Head dims whose backward computes dQ in turns (the dq_in_turns option): at d128 a warpgroup's whole-width dQ
 # accumulator (64 registers) beside dK, dV and the next step's S^T left ptxas too few registers, and it serialised
 # every wgmma (C7512, 2.5 KB of spills).
@@ -114,18 +117,30 @@ class Resources:
         """128-byte boxes per row (the 128-byte swizzle's width)."""
         return self.row_bytes // 128
 
-    @property
-    def shared_storage_bytes(self) -> int:
-        """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, stages x 3 int32 key tables, then the
-        barriers (Q full and empty, full + empty for K and V per stage, the persistent grid's two tile slots'
-        full + empty) and the two slots' tile numbers, rounded up to the 1024-byte alignment."""
+    def _storage_bytes(self, output_staged: bool) -> int:
         t = self.config.tile
         q = t.block_m * self.row_bytes
         kv = t.block_n * self.row_bytes
+        output = t.block_m * self.config.head_dim * 2 if output_staged else 0  # O in 16 bits (FP8's in bf16)
         tables = t.stages * 3 * t.block_n * 4
         barriers = 8 * (2 + 4 * t.stages + 4)
         slots = 2 * 48  # the persistent grid's two handed tiles (HandedTile: 12 int32)
-        return -(-(q + 2 * t.stages * kv + tables + barriers + slots) // 1024) * 1024
+        return -(-(q + 2 * t.stages * kv + output + tables + barriers + slots) // 1024) * 1024
+
+    @property
+    def output_by_tma(self) -> bool:
+        """Whether the forward stores O by TMA from a staging buffer: the output_by_tma option, at the head dims it
+        serves (OUTPUT_BY_TMA_HEAD_DIMS) where the buffer fits beside Q and the K/V ring (not with 3 stages at d128)."""
+        limit = ARCH_TABLE[self.config.arch].shared_memory if self.config.arch in ARCH_TABLE else 0
+        return (self.options.output_by_tma and self.config.head_dim in OUTPUT_BY_TMA_HEAD_DIMS
+                and self._storage_bytes(True) + 1024 <= limit)
+
+    @property
+    def shared_storage_bytes(self) -> int:
+        """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, O's staging buffer (output_by_tma), stages x 3
+        int32 key tables, then the barriers (Q full and empty, full + empty for K and V per stage, the persistent
+        grid's two tile slots' full + empty) and the two slots' tile numbers, rounded up to the 1024-byte alignment."""
+        return self._storage_bytes(self.output_by_tma)
 
     @property
     def shared_memory_bytes(self) -> int:
