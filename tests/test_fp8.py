@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -54,15 +55,21 @@ def test_the_fp8_variant_is_the_sm90_forward_at_d128_alone():
 
 
 def test_fp8_shares_nothing_with_the_bf16_modules():
-    """Its own module name (the dtype and _fwd in it), and half the bf16 tile's shared memory (8-bit rows)."""
+    """Its own module name (the dtype and _fwd in it), and half the bf16 tile's shared memory for Q and the K/V ring
+    (8-bit rows; O's staging buffer, bf16 in both, is the same 32 KB)."""
     from omnigen.jit.codegen import module_name
     from omnigen.kernels.sm90 import resources
+    from omnigen.kernels.sm90.options import HopperOptions
 
     fp8 = KernelConfig(128, "e4m3", "sm_90a", TILE, forward_only=True)
     bf16 = KernelConfig(128, "bf16", "sm_90a", TILE)
     assert "e4m3" in module_name(RULES, fp8) and module_name(RULES, fp8) != module_name(RULES, bf16)
-    q_and_ring = lambda c: resources.Resources(c).shared_storage_bytes  # noqa: E731
+    staging = 128 * 128 * 2
+    assert all(resources.Resources(c).output_by_tma for c in (fp8, bf16))
+    q_and_ring = lambda c: resources.Resources(c).shared_storage_bytes - staging  # noqa: E731
     assert q_and_ring(fp8) < q_and_ring(bf16) * 0.55
+    stores = lambda c: dataclasses.replace(c, options=HopperOptions(output_by_tma=False))  # noqa: E731
+    assert q_and_ring(fp8) == resources.Resources(stores(fp8)).shared_storage_bytes
 
 
 def _fp8(*shape: int) -> torch.Tensor:

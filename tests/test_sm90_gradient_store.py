@@ -198,8 +198,12 @@ def test_which_forward_variants_store_o_by_tma():
                                                 TileConfig(tile.block_m, tile.block_n, tile.warps, stages),
                                                 options=HopperOptions(**options), forward_only=dtype == "e4m3"))
     source = rendered_forward(128)
-    assert "constexpr bool kOutputByTma = true;" in source and "c.store_by_tma(maps, head);" in source
-    assert "CUtensorMap q, k, v, o;" in source and "tensor_map<Output>(&maps.o, o, message, message_size)" in source
+    assert "constexpr bool kOutputByTma = true;" in source
+    assert "if constexpr (kOutputByTma) {\n    c.store_by_tma(maps, head);\n  } else {\n    c.store(head);" in source
+    assert "using TensorMaps = TensorMapsOf<kOutputByTma>;" in source and "CUtensorMap q, k, v, o;" in source
+    assert "tensor_map<Output>(&maps.o, o, message, message_size)" in source
+    assert "if (!output_map(maps, args, message, message_size)) return int(cudaErrorInvalidValue);" in source
+    assert "uint8_t o[kOutputByTma ? 2 : 0][kOutputBoxes * kOutputBoxBytes];" in source
     assert source.count("end_output();") == 2  # the persistent loop's end and the grid's one tile
     assert variant(128).shared_storage_bytes == variant(128, output_by_tma=False).shared_storage_bytes + 128 * 128 * 2
     assert variant(128).output_by_tma and variant(128, "e4m3").output_by_tma
@@ -207,5 +211,4 @@ def test_which_forward_variants_store_o_by_tma():
         assert not off.output_by_tma
     assert variant(64).shared_storage_bytes == variant(64, output_by_tma=False).shared_storage_bytes
     for stores in (rendered_forward(128, output_by_tma=False), rendered_forward(64), rendered_forward(256)):
-        assert "constexpr bool kOutputByTma = false;" in stores and "store_by_tma" not in stores
-        assert "CUtensorMap q, k, v;" in stores and "uint8_t o[2]" not in stores and "c.store(head);" in stores
+        assert "constexpr bool kOutputByTma = false;" in stores  # no buffer bytes, TensorMapsOf<false>: q, k, v
