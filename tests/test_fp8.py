@@ -68,7 +68,7 @@ def test_fp8_shares_nothing_with_the_bf16_modules():
     assert all(resources.Resources(c).output_by_tma for c in (fp8, bf16))
     q_and_ring = lambda c: resources.Resources(c).shared_storage_bytes - staging  # noqa: E731
     assert q_and_ring(fp8) < q_and_ring(bf16) * 0.55
-    stores = lambda c: dataclasses.replace(c, options=HopperOptions(output_by_tma=False))  # noqa: E731
+    stores = lambda c: dataclasses.replace(c, options=HopperOptions(output_by_tma=0))  # noqa: E731
     assert q_and_ring(fp8) == resources.Resources(stores(fp8)).shared_storage_bytes
 
 

@@ -169,7 +169,7 @@ def test_the_fp8_forward_stores_o_by_tma_with_the_stores_bits():
                                    omnigen.Layout.parse("text:500 image:300@1 text:200@1")])
     (q8, k8, v8), descale = inputs(2, 4, 2, layout.seq_len, seed=5)
     default = omnigen.build(TRANSFUSION, 128, torch.float8_e4m3fn)
-    config = with_options(default.config, output_by_tma=False)
+    config = with_options(default.config, output_by_tma=0)
     kernel = Kernel(TRANSFUSION, config, cache.get_module(TRANSFUSION, config))
     with torch.no_grad():
         out = kernel(q8, k8, v8, layout, descale=descale)

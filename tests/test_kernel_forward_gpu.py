@@ -221,29 +221,34 @@ def test_sm90_forward_pingpong_and_softmax_chains(case, head_dim, dtype, options
     _check_sm90_options(case, head_dim, dtype, f"sm90 {options}", **options)
 
 
-# ---- the sm90 forward's two ways to store O at d128 (the output_by_tma option, on there by default): the stores
-# (persistent and grid) and O by TMA on the grid of tiles, against float64; then both bit for bit with many tiles a
-# CTA (the staging buffer reused), ragged last q-tiles (rows past the sequence dropped by the map: in [B, S, H, D]
-# storage they would be the next batch element's), and at d256, where the option has no effect.
+# ---- the sm90 forward's two ways to store O (the output_by_tma option: 1, the default, by TMA at d128; 2 wherever a
+# staging buffer fits, d256 in two rounds through half its boxes; 0 the stores): against float64 on both grids; then
+# bit for bit against the stores with many tiles a CTA (the staging buffer reused), ragged last q-tiles (rows past the
+# sequence dropped by the map: in [B, S, H, D] storage they would be the next batch element's).
+OUTPUT_STORES = [(128, "bf16", {"output_by_tma": 0}), (128, "bf16", {"output_by_tma": 0, "persistent": False}),
+                 (128, "bf16", {"persistent": False}), (128, "fp16", {"output_by_tma": 0}),
+                 (128, "fp16", {"persistent": False}), (64, "bf16", {"output_by_tma": 2}),
+                 (256, "bf16", {"output_by_tma": 2}), (256, "bf16", {"output_by_tma": 2, "persistent": False})]
 
 
-@pytest.mark.parametrize("options", [{"output_by_tma": False}, {"output_by_tma": False, "persistent": False},
-                                     {"persistent": False}], ids=["stores", "stores-grid", "tma-grid"])
-@pytest.mark.parametrize("head_dim,dtype", [(128, "bf16"), (128, "fp16")])
+@pytest.mark.parametrize("head_dim,dtype,options", OUTPUT_STORES,
+                         ids=["d128-stores", "d128-stores-grid", "d128-tma-grid", "d128-fp16-stores",
+                              "d128-fp16-tma-grid", "d64-tma", "d256-tma-rounds", "d256-tma-rounds-grid"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_sm90_forward_output_by_tma(case, head_dim, dtype, options):
     _check_sm90_options(case, head_dim, dtype, f"sm90 {options}", **options)
 
 
-@pytest.mark.parametrize("head_dim,dtype,persistent", [(128, "bf16", True), (128, "bf16", False), (128, "fp16", True),
-                                                       (256, "bf16", True)],
-                         ids=["d128-persistent", "d128-grid", "d128-fp16", "d256-stores"])
-def test_sm90_forward_output_by_tma_gives_the_stores_bits(head_dim, dtype, persistent):
+@pytest.mark.parametrize("head_dim,dtype,persistent,mode", [(128, "bf16", True, 1), (128, "bf16", False, 1),
+                                                            (128, "fp16", True, 1), (64, "fp16", True, 2),
+                                                            (256, "bf16", True, 2), (256, "bf16", False, 2)],
+                         ids=["d128-persistent", "d128-grid", "d128-fp16", "d64", "d256-rounds", "d256-rounds-grid"])
+def test_sm90_forward_output_by_tma_gives_the_stores_bits(head_dim, dtype, persistent, mode):
     if "sm90" not in FAMILY_NAMES:
         pytest.skip("the sm90 family runs on Hopper only")
     config = _config(head_dim, dtype, "sm90")
-    stores = cache.get_module(TRANSFUSION, with_options(config, persistent=persistent, output_by_tma=False))
-    by_tma = cache.get_module(TRANSFUSION, with_options(config, persistent=persistent))
+    stores = cache.get_module(TRANSFUSION, with_options(config, persistent=persistent, output_by_tma=0))
+    by_tma = cache.get_module(TRANSFUSION, with_options(config, persistent=persistent, output_by_tma=mode))
     layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_LAYOUTS])
     q, k, v = _inputs(2, 16, 4, layout.seq_len, head_dim, DTYPES[dtype], strided=True)
     out, lse = run_forward(by_tma, TRANSFUSION, layout, q, k, v)

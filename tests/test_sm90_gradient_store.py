@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from omnigen import kernels
 from omnigen.jit import codegen
 from omnigen.kernels.sm90 import resources
 from omnigen.kernels.sm90.options import HopperOptions
@@ -58,54 +59,60 @@ HELPERS = {"key_block_of": lambda w: w, "kKeysPerWarpgroup": KEYS_PER_WARPGROUP}
 
 
 def stored_by_tma(head_dim: int, found: dict[str, object], helpers: dict[str, object],
-                  buffer_per_warpgroup: bool) -> list[list[object]]:
+                  buffer_per_warpgroup: bool, staged_boxes: int = 0) -> list[list[object]]:
     """[128 rows][head_dim] as TMA stores of each warpgroup's boxes would write them, every accumulator element
     tagged by its (row, column) per the wgmma fragment layout: lane l of warp w holds rows 16 w + l / 4 (+ 8 h) and
     columns 8 g + 2 (l % 4) + e in register 4 g + 2 h + e. The backward stages both warpgroups' keys in K's (V's)
-    buffer, boxes of 128 rows; the forward gives each warpgroup its own boxes of 64 rows (buffer_per_warpgroup)."""
+    buffer, boxes of 128 rows; the forward gives each warpgroup its own boxes of 64 rows (buffer_per_warpgroup),
+    `staged_boxes` of them (0: all), in as many rounds as it takes: each round's stmatrix writes, then its TMA stores
+    read, the same buffer (found["box"] and found["column"] are the kernel's expressions in k16 / box and round)."""
     boxes = head_dim // BOX_COLUMNS
+    staged = staged_boxes or boxes
     box_rows = KEYS_PER_WARPGROUP if buffer_per_warpgroup else 128
-    shared: dict[int, object] = {}
-    buffers = [{}, {}] if buffer_per_warpgroup else [shared, shared]  # byte offset -> tag of the 16-bit element
-    for warpgroup in range(2):
-        for warp in range(4):
-            # per k16: the four registers each lane gives stmatrix, and the row addresses lanes 8 m .. 8 m + 7 give
-            for k16 in range(head_dim // 16):
-                first = evaluate(found["first"], k16=k16)
-                box = evaluate(found["box"], k16=k16)
-                registers, addresses = {}, {}
-                for lane in range(32):
-                    matrix = lane // 8
-                    row = evaluate(found["row"], **helpers, warpgroup=warpgroup, warp=warp, matrix=matrix, lane=lane)
-                    chunk = evaluate(found["chunk"], k16=k16, matrix=matrix, row=row)
-                    addresses[lane] = box * box_rows * ROW_BYTES + row * ROW_BYTES + chunk * 16
-                    tags = []
-                    for index_pair in found["operands"]:
-                        pair_tags = []
-                        for index in index_pair:
-                            i = first + index
-                            group, h, e = i // 4, (i % 4) // 2, i % 2
-                            key = 64 * warpgroup + 16 * warp + lane // 4 + 8 * h
-                            pair_tags.append((key, 8 * group + 2 * (lane % 4) + e))
-                        tags.append(pair_tags)
-                    registers[lane] = tags
-                store_matrices(buffers[warpgroup], addresses, registers)
-    # TMA store of box b, rows 64 w on: element (r, c) of the box sits at chunk (2 c / 16) ^ (r % 8) of its row
     out: list[list[object]] = [[None] * head_dim for _ in range(128)]
-    for warpgroup in range(2):
-        for box in range(boxes):
-            for r in range(KEYS_PER_WARPGROUP):
-                row = r if buffer_per_warpgroup else 64 * warpgroup + r  # the row within the staging buffer
-                for c in range(BOX_COLUMNS):
-                    byte = 2 * c
-                    at = box * box_rows * ROW_BYTES + row * ROW_BYTES + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
-                    out[64 * warpgroup + r][box * BOX_COLUMNS + c] = buffers[warpgroup].get(at)
+    for round_ in range(boxes // staged):
+        shared: dict[int, object] = {}
+        buffers = [{}, {}] if buffer_per_warpgroup else [shared, shared]  # byte offset -> tag of the 16-bit element
+        for warpgroup in range(2):
+            for warp in range(4):
+                # per k16: the four registers each lane gives stmatrix, and the row addresses lanes 8 m .. 8 m + 7 give
+                for k16 in range(4 * staged * round_, 4 * staged * (round_ + 1)):
+                    first = evaluate(found["first"], k16=k16)
+                    box = evaluate(found["box"], k16=k16, round=round_, kStagedBoxes=staged)
+                    registers, addresses = {}, {}
+                    for lane in range(32):
+                        matrix = lane // 8
+                        row = evaluate(found["row"], **helpers, warpgroup=warpgroup, warp=warp, matrix=matrix,
+                                       lane=lane)
+                        chunk = evaluate(found["chunk"], k16=k16, matrix=matrix, row=row)
+                        addresses[lane] = box * box_rows * ROW_BYTES + row * ROW_BYTES + chunk * 16
+                        tags = []
+                        for index_pair in found["operands"]:
+                            pair_tags = []
+                            for index in index_pair:
+                                i = first + index
+                                group, h, e = i // 4, (i % 4) // 2, i % 2
+                                key = 64 * warpgroup + 16 * warp + lane // 4 + 8 * h
+                                pair_tags.append((key, 8 * group + 2 * (lane % 4) + e))
+                            tags.append(pair_tags)
+                        registers[lane] = tags
+                    store_matrices(buffers[warpgroup], addresses, registers)
+        # TMA store of box b, rows 64 w on: element (r, c) of the box sits at chunk (2 c / 16) ^ (r % 8) of its row
+        for warpgroup in range(2):
+            for box in range(staged):
+                column = evaluate(found.get("column", "box * 64"), box=box, round=round_, kStagedBoxes=staged)
+                for r in range(KEYS_PER_WARPGROUP):
+                    row = r if buffer_per_warpgroup else 64 * warpgroup + r  # the row within the staging buffer
+                    for c in range(BOX_COLUMNS):
+                        byte = 2 * c
+                        at = box * box_rows * ROW_BYTES + row * ROW_BYTES + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
+                        out[64 * warpgroup + r][column + c] = buffers[warpgroup].get(at)
     return out
 
 
 def check(head_dim: int, found: dict[str, object], helpers: dict[str, object] = HELPERS,
-          buffer_per_warpgroup: bool = False) -> None:
-    out = stored_by_tma(head_dim, found, helpers, buffer_per_warpgroup)
+          buffer_per_warpgroup: bool = False, staged_boxes: int = 0) -> None:
+    out = stored_by_tma(head_dim, found, helpers, buffer_per_warpgroup, staged_boxes)
     for key in range(128):
         for column in range(head_dim):
             assert out[key][column] == (key, column), (key, column, out[key][column])
@@ -164,51 +171,64 @@ def forward_formulas(source: str) -> dict[str, object]:
     return {"row": re.search(r"const int row = (.+?);", body).group(1),
             "chunk": re.search(r"const int chunk = (.+?);", body).group(1),
             "box": re.search(r"boxes \+ \((.+?)\) \* kOutputBoxBytes", body).group(1),
+            "column": "(" + re.search(r"const int column = \((.+?)\) \* sm90::kBoxColumns;", body).group(1) + ") * 64",
             "operands": operands,
             "first": re.search(r"x = o \+ (.+?);", body).group(1)}
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_forward_boxes_hold_each_output_element_in_place(head_dim):
-    # (d64 does not take the path by default; the formulas are the same template's at any head dim)
-    source = rendered_forward(128)
-    check(head_dim, forward_formulas(source), {}, buffer_per_warpgroup=True)
+@pytest.mark.parametrize("head_dim,staged", [(64, 1), (128, 2), (256, 2)])
+def test_the_forward_boxes_hold_each_output_element_in_place(head_dim, staged):
+    """Every head dim the option takes, d256 in two rounds through a buffer of half its boxes."""
+    source = rendered_forward(head_dim, output_by_tma=2)
+    assert f"constexpr int kStagedBoxes = {staged};" in source
+    check(head_dim, forward_formulas(source), {}, buffer_per_warpgroup=True, staged_boxes=staged)
 
 
 @pytest.mark.parametrize("mutation", [
     ("chunk", "(2 * (k16 % 4) + matrix / 2) ^ (row % 4)"),
     ("row", "16 * warp + 8 * (matrix / 2) + lane % 8"),
-    ("box", "k16 / 2"),
+    ("box", "k16 / 4"),  # no round: the second round's boxes past the buffer
+    ("column", "box * 64"),  # every round at the first head dims
     ("operands", [(0, 1), (4, 5), (2, 3), (6, 7)]),
 ])
 def test_the_forward_emulation_fails_on_wrong_addresses(mutation):
-    found = forward_formulas(rendered_forward(128))
+    found = forward_formulas(rendered_forward(256, output_by_tma=2))
     found[mutation[0]] = mutation[1]
     with pytest.raises(AssertionError):
-        check(128, found, {}, buffer_per_warpgroup=True)
+        check(256, found, {}, buffer_per_warpgroup=True, staged_boxes=2)
 
 
 def test_which_forward_variants_store_o_by_tma():
-    """On by default at d128 (FP8's too): a staging buffer of 128 rows x head_dim x 2 bytes, an O map encoded for the
-    output type (FP8's bf16), the exit waiting for the last reads. Off with the option, at d64 (slower there), and where
-    the buffer does not fit beside Q and the K/V ring (d256, 3 stages at d128): the stores, no buffer, no O map."""
+    """By default at d128 (FP8's too): a staging buffer of all a warpgroup's boxes (128 rows x head_dim x 2 bytes), an
+    O map in the output type (FP8's bf16), the exit waiting for the last reads. output_by_tma=2 anywhere a buffer fits:
+    d64, and d256 with half its boxes (two rounds; 32 KB, exactly what is left of 227 KB); never with 3 stages at d128.
+    output_by_tma=0 (False), and the default at d64 and d256: the stores, no buffer bytes, no O map."""
     def variant(head_dim, dtype="bf16", stages=2, **options):
         tile = resources.default_tile(head_dim, dtype)
         return resources.Resources(KernelConfig(head_dim, dtype, "sm_90a",
                                                 TileConfig(tile.block_m, tile.block_n, tile.warps, stages),
                                                 options=HopperOptions(**options), forward_only=dtype == "e4m3"))
     source = rendered_forward(128)
-    assert "constexpr bool kOutputByTma = true;" in source
+    assert "constexpr int kStagedBoxes = 2;" in source and "constexpr bool kOutputByTma = kStagedBoxes > 0;" in source
     assert "if constexpr (kOutputByTma) {\n    c.store_by_tma(maps, head);\n  } else {\n    c.store(head);" in source
     assert "using TensorMaps = TensorMapsOf<kOutputByTma>;" in source and "CUtensorMap q, k, v, o;" in source
     assert "tensor_map<Output>(&maps.o, o, message, message_size)" in source
     assert "if (!output_map(maps, args, message, message_size)) return int(cudaErrorInvalidValue);" in source
-    assert "uint8_t o[kOutputByTma ? 2 : 0][kOutputBoxes * kOutputBoxBytes];" in source
+    assert "uint8_t o[kOutputByTma ? 2 : 0][kStagedBoxes * kOutputBoxBytes];" in source
     assert source.count("end_output();") == 2  # the persistent loop's end and the grid's one tile
-    assert variant(128).shared_storage_bytes == variant(128, output_by_tma=False).shared_storage_bytes + 128 * 128 * 2
-    assert variant(128).output_by_tma and variant(128, "e4m3").output_by_tma
-    for off in (variant(128, output_by_tma=False), variant(64), variant(256), variant(128, stages=3)):
-        assert not off.output_by_tma
-    assert variant(64).shared_storage_bytes == variant(64, output_by_tma=False).shared_storage_bytes
-    for stores in (rendered_forward(128, output_by_tma=False), rendered_forward(64), rendered_forward(256)):
-        assert "constexpr bool kOutputByTma = false;" in stores  # no buffer bytes, TensorMapsOf<false>: q, k, v
+    def stores(head_dim: int, **options) -> int:
+        return variant(head_dim, output_by_tma=0, **options).shared_storage_bytes
+    for head_dim, options, staged in ((128, {}, 2), (128, {"dtype": "e4m3"}, 2), (64, {"output_by_tma": 2}, 1),
+                                      (256, {"output_by_tma": 2}, 2)):
+        r = variant(head_dim, **options)
+        assert r.output_staged_boxes == staged and r.output_by_tma
+        dtype = {k: v for k, v in options.items() if k == "dtype"}
+        assert r.shared_storage_bytes == stores(head_dim, **dtype) + 2 * staged * 64 * 128
+    assert variant(256, output_by_tma=2).shared_memory_bytes == 227 * 1024
+    for off in (variant(128, output_by_tma=0), variant(128, output_by_tma=False), variant(64), variant(256),
+                variant(128, stages=3, output_by_tma=2)):
+        assert off.output_staged_boxes == 0 and not off.output_by_tma
+    for wrong in (3, -1):
+        assert any("output_by_tma must be 1" in p for p in kernels.problems(variant(128, output_by_tma=wrong).config))
+    for head_dim, options in ((128, {"output_by_tma": 0}), (64, {}), (256, {})):
+        assert "constexpr int kStagedBoxes = 0;" in rendered_forward(head_dim, **options)

@@ -86,7 +86,7 @@ class Sm90Family(KernelFamily):
             "tables_always_shared": o.tables_always_shared,
             "softmax_chains": r.softmax_chains,
             "pingpong": o.pingpong,
-            "output_by_tma": r.output_by_tma,
+            "output_staged_boxes": r.output_staged_boxes,
             # the backward
             "hopper_backward": not problems,
             "backward_supported": not problems,

@@ -35,12 +35,13 @@ class HopperOptions(KernelOptions):
     pingpong: bool = False
     # O leaves through shared memory: each consumer warpgroup writes its 64 rows into a staging buffer of their own by
     # stmatrix and one thread stores them by TMA, instead of 4-byte stores from every thread (Nsight at d128, 8K:
-    # those stores and the waits behind their queue were 2% of the consumers' samples; cuDNN stages O this way). On:
-    # d128 forward -4.3 / -6.1% at 8K (causal / Transfusion, H100), within 0.2% at 32K ("O by TMA from a staging
-    # buffer of its own"). No effect at d64 (resources.OUTPUT_BY_TMA_HEAD_DIMS: there +0.2..+1.7%, its 16 stores a
-    # thread cost less than the two barriers) or where the buffer (128 x head_dim x 2 bytes) does not fit beside Q and
-    # the K/V ring (d256, 3 stages at d128).
-    output_by_tma: bool = True
+    # those stores and the waits behind their queue were 2% of the consumers' samples; cuDNN stages O this way).
+    # 1: at the head dims where it was measured faster (resources.OUTPUT_BY_TMA_HEAD_DIMS: d128, FP8's too; d128
+    # forward -4.3 / -6.1% at 8K, causal / Transfusion, H100, within 0.2% at 32K: "O by TMA from a staging buffer of
+    # its own"; d64 +0.2..+1.7%); 2: wherever a staging buffer fits beside Q and the K/V ring (d64; d256 in two rounds
+    # through a buffer of half its boxes, not timed yet; not with 3 stages at d128); 0 (False): never, every thread
+    # stores its pairs of O.
+    output_by_tma: int = 1
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
@@ -96,6 +97,9 @@ class HopperOptions(KernelOptions):
         if self.softmax_chains not in (0, 1, 2, 4, 8) or isinstance(self.softmax_chains, bool):
             out.append(f"option softmax_chains must be 1, 2, 4 or 8 (0: the head dim's default), "
                        f"not {self.softmax_chains!r}")
+        if self.output_by_tma not in (0, 1, 2):
+            out.append(f"option output_by_tma must be 1 (the head dim's choice), 2 (wherever a staging buffer fits) or "
+                       f"0 (never), not {self.output_by_tma!r}")
         if self.backward_stages == 1:
             out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
         return out

@@ -45,8 +45,9 @@ BACKWARD_STAGES_BY_HEAD_DIM = {64: 4}
 # The forward softmax's chains per row when the options leave it to the head dim (softmax_chains 0): two at d64, whose
 # step is as much softmax as products (paired on an H100: forward -1.4..-3.1%); one at d128 (within noise) and d256.
 SOFTMAX_CHAINS_BY_HEAD_DIM = {64: 2}
-# Head dims whose forward stores O by TMA from a staging buffer (the output_by_tma option): d128 (FP8's too), where
-# it took 4-6% off the 8K forward; at d64 it was 0.2-1.7% slower (its epilogue has half the stores).
+# Head dims whose forward stores O by TMA from a staging buffer when the output_by_tma option leaves it to the head
+# dim (1, its default): d128 (FP8's too), where it took 4-6% off the 8K forward; at d64 it was 0.2-1.7% slower (its epilogue has
+# half the stores); d256 (two rounds through half the boxes) is not timed yet.
 OUTPUT_BY_TMA_HEAD_DIMS = (128,)
 # Head dims whose backward computes dQ in turns (the dq_in_turns option): at d128 a warpgroup's whole-width dQ
 # accumulator (64 registers) beside dK, dV and the next step's S^T left ptxas too few registers, and it serialised
@@ -60,6 +61,8 @@ HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 # row maxima's shuffles, O's rescale) over 1.5x the keys of 128. H100, B.S = 32K, d128: 1-5% faster than 128 at 32K
 # in 14 of 14 timings, within 4% either way at 8K (benchmarks/RESULTS.md, twentieth session).
 FP8_DEFAULT_BLOCK_N = 192
+# One box of O's staging buffer: 64 rows of 128 bytes (64 columns of the 16-bit output).
+OUTPUT_BOX_BYTES = 64 * 128
 
 
 def default_tile(head_dim: int, dtype: str = "bf16") -> TileConfig:
@@ -117,30 +120,40 @@ class Resources:
         """128-byte boxes per row (the 128-byte swizzle's width)."""
         return self.row_bytes // 128
 
-    def _storage_bytes(self, output_staged: bool) -> int:
+    def _storage_bytes(self, staged_boxes: int) -> int:
         t = self.config.tile
         q = t.block_m * self.row_bytes
         kv = t.block_n * self.row_bytes
-        output = t.block_m * self.config.head_dim * 2 if output_staged else 0  # O in 16 bits (FP8's in bf16)
+        output = 2 * staged_boxes * OUTPUT_BOX_BYTES  # two consumer warpgroups' staging boxes
         tables = t.stages * 3 * t.block_n * 4
         barriers = 8 * (2 + 4 * t.stages + 4)
         slots = 2 * 48  # the persistent grid's two handed tiles (HandedTile: 12 int32)
         return -(-(q + 2 * t.stages * kv + output + tables + barriers + slots) // 1024) * 1024
 
     @property
-    def output_by_tma(self) -> bool:
-        """Whether the forward stores O by TMA from a staging buffer: the output_by_tma option, at the head dims it
-        serves (OUTPUT_BY_TMA_HEAD_DIMS) where the buffer fits beside Q and the K/V ring (not with 3 stages at d128)."""
+    def output_staged_boxes(self) -> int:
+        """How many of its O's boxes ([64 rows][64 columns], 16-bit) a consumer warpgroup's staging buffer holds: all
+        (head_dim / 64) where they fit beside Q and the K/V ring, else half (d256: O leaves in two rounds), else 0 (the
+        stores); 0 too where the output_by_tma option says so (0, or 1 at a head dim not in OUTPUT_BY_TMA_HEAD_DIMS)."""
+        mode = self.options.output_by_tma
+        if mode == 0 or (mode == 1 and self.config.head_dim not in OUTPUT_BY_TMA_HEAD_DIMS):
+            return 0
+        boxes = self.config.head_dim // 64
         limit = ARCH_TABLE[self.config.arch].shared_memory if self.config.arch in ARCH_TABLE else 0
-        return (self.options.output_by_tma and self.config.head_dim in OUTPUT_BY_TMA_HEAD_DIMS
-                and self._storage_bytes(True) + 1024 <= limit)
+        return next((staged for staged in (boxes, boxes // 2)
+                     if staged and boxes % staged == 0 and self._storage_bytes(staged) + 1024 <= limit), 0)
+
+    @property
+    def output_by_tma(self) -> bool:
+        """Whether the forward stores O by TMA from a staging buffer (output_staged_boxes)."""
+        return self.output_staged_boxes > 0
 
     @property
     def shared_storage_bytes(self) -> int:
         """sizeof(SharedStorage): Q, stages x (K, V) in 128-byte rows, O's staging buffer (output_by_tma), stages x 3
         int32 key tables, then the barriers (Q full and empty, full + empty for K and V per stage, the persistent
         grid's two tile slots' full + empty) and the two slots' tile numbers, rounded up to the 1024-byte alignment."""
-        return self._storage_bytes(self.output_by_tma)
+        return self._storage_bytes(self.output_staged_boxes)
 
     @property
     def shared_memory_bytes(self) -> int:
