@@ -46,8 +46,8 @@ BACKWARD_STAGES_BY_HEAD_DIM = {64: 4}
 # step is as much softmax as products (paired on an H100: forward -1.4..-3.1%); one at d128 (within noise) and d256.
 SOFTMAX_CHAINS_BY_HEAD_DIM = {64: 2}
 # Head dims whose forward stores O by TMA from a staging buffer when the output_by_tma option leaves it to the head
-# dim (1, its default): d128 (FP8's too), where it took 4-6% off the 8K forward; at d64 it was 0.2-1.7% slower (its epilogue has
-# half the stores); d256 (two rounds through half the boxes) is not timed yet.
+# dim (1, its default): d128 (FP8's too), where it took 4-6% off the 8K forward; at d64 it was 0.2-1.7% slower (its
+# epilogue has half the stores); d256 (two rounds through half the boxes) is not timed yet.
 OUTPUT_BY_TMA_HEAD_DIMS = (128,)
 # Head dims whose backward computes dQ in turns (the dq_in_turns option): at d128 a warpgroup's whole-width dQ
 # accumulator (64 registers) beside dK, dV and the next step's S^T left ptxas too few registers, and it serialised
