@@ -16,7 +16,6 @@ FP8 forward and for the bf16 forward of the same (dequantised, bf16) values.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import omnigen  # noqa: E402
 from bench_backward import parse_options, parse_tile  # noqa: E402
-from kernel_workload import RULES, bench, standard_batch  # noqa: E402
+from kernel_workload import RULES, bench, standard_batch, with_options  # noqa: E402
 from omnigen.op.fp8 import transpose_values  # noqa: E402
 from omnigen.reference import attention_reference  # noqa: E402
 
@@ -42,16 +41,6 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     diff = out.double() - ref
     return {"relative_rms": float(diff.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()),
             "worst_over_max": float(diff.abs().max() / ref.abs().max())}
-
-
-def with_options(kernel: omnigen.Kernel, options: dict) -> omnigen.Kernel:
-    """The kernel's variant with these sm90 options (a pinned Kernel of its own module)."""
-    from omnigen.jit import cache
-    from omnigen.kernels.sm90.options import HopperOptions
-    from omnigen.op.kernel import Kernel
-
-    config = dataclasses.replace(kernel.config, options=HopperOptions(**options))
-    return Kernel(kernel.rules, config, cache.get_module(kernel.rules, config))
 
 
 def run(rules_name: str, S: int, tokens: int, heads: int, error_heads: int, seed: int,

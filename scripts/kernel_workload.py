@@ -59,19 +59,24 @@ def bench(fn: Callable) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def with_options(kernel, options: dict):
+    """The kernel's variant with these sm90 options (HopperOptions fields, trees with kernel options only): a pinned
+    Kernel of its own module."""
+    import dataclasses
+
+    from omnigen.jit import cache
+    from omnigen.kernels.sm90.options import HopperOptions
+    from omnigen.op.kernel import Kernel
+
+    config = dataclasses.replace(kernel.config, options=HopperOptions(**options))
+    return Kernel(kernel.rules, config, cache.get_module(kernel.rules, config))
+
+
 def build(rules: omnigen.Rules, dim: int, tile: omnigen.TileConfig, family: str | None, options: dict | None = None):
     """omnigen.build pinned to a tile (and a kernel family, where this tree knows families); `options` (sm90
-    HopperOptions fields, trees with kernel options only) builds that variant of the module as a pinned Kernel."""
+    HopperOptions fields) builds that variant of the module (with_options)."""
     if options:
-        import dataclasses
-
-        from omnigen.jit import cache
-        from omnigen.kernels.sm90.options import HopperOptions
-        from omnigen.op.kernel import Kernel
-
-        config = build(rules, dim, tile, family).config
-        config = dataclasses.replace(config, options=HopperOptions(**options))
-        return Kernel(rules, config, cache.get_module(rules, config))
+        return with_options(build(rules, dim, tile, family), options)
     if family is None:
         return omnigen.build(rules, dim, torch.bfloat16, tile=tile)
     return omnigen.build(rules, dim, torch.bfloat16, tile=tile, family=family)
