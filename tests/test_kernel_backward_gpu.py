@@ -586,27 +586,29 @@ def test_sm90_dq_writer_backward(case, mode, head_dim, dtype):
                 name=name, family="sm90")
 
 
-# ---- dQ in turns (the dq_in_turns option, on by default at d64): each step's dQ computed and staged by one consumer
-# warpgroup, the two taking turns, added by the writer warp; atomic and deterministic mode, early and late scores,
-# bits or rules. (Off, both warpgroups every step: the d128 modules' way, and test_sm90_scores_early_or_late's.)
+# ---- dQ in turns (the dq_in_turns option, on by default at d64 and d128): each step's dQ computed and staged by one
+# consumer warpgroup, the two taking turns, added by the writer warp (d128: dV and dK retired first); atomic and
+# deterministic mode, early and late scores, bits or rules. (Off, both warpgroups every step: d256's way, and
+# test_sm90_scores_early_or_late's.)
 
 
 @pytest.mark.parametrize("options", [{}, {"early_scores": False}, {"dq_in_turns": False}], ids=["early", "late", "off"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] is not MIXED], ids=lambda c: c[0])
+@pytest.mark.parametrize("head_dim", (64, 128))
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_dq_in_turns(case, options):
+def test_sm90_dq_in_turns(head_dim, case, options):
     _skip_unless_family_runs("sm90")
     name, rules, layout_texts, Hq, Hkv = case
     strided = name == "pad_docs_strided"
-    config = _config(64, "bf16", visible_gpu_arch(), family="sm90", options=options)
+    config = _config(head_dim, "bf16", visible_gpu_arch(), family="sm90", options=options)
     assert ("taking turns" in kernels.FAMILIES["sm90"].describe_backward(config)) == options.get("dq_in_turns", True)
-    module = _module(rules, 64, "bf16", family="sm90", options=options)
-    _check_case(rules, layout_texts, Hq, Hkv, 64, "bf16", strided=strided, deterministic=False, name=name,
+    module = _module(rules, head_dim, "bf16", family="sm90", options=options)
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
                 family="sm90", options=options, bits="half")
-    first = _check_case(rules, layout_texts, Hq, Hkv, 64, "bf16", strided=strided, deterministic=True, name=name,
-                        family="sm90", options=options)
-    _same_bits_again(module, rules, layout_texts, Hq, Hkv, 64, "bf16", strided, first, runs=2)
+    first = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
+                        name=name, family="sm90", options=options)
+    _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])

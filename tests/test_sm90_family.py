@@ -323,20 +323,23 @@ def test_pingpong_renders_turns_around_every_issue_and_is_off_by_default():
     assert source.count("begin_turns();") == 2 and source.count("end_turns();") == 2  # persistent and grid paths
 
 
-def test_dq_in_turns_renders_a_whole_width_dq_product_at_d64_only():
-    """The dq_in_turns option (on by default): at d64 each step's dQ, every head dim, by one consumer warpgroup
-    (m64n64 instead of m64n32 in each), the writer warp's barriers counting one warpgroup; off, or without the writer
-    warp, both warpgroups every step; no effect at d128 / d256 (registers)."""
-    config = hopper(64)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_dq_in_turns_renders_a_whole_width_dq_product_at_d64_and_d128(head_dim):
+    """The dq_in_turns option (on by default): at d64 and d128 each step's dQ, every head dim, by one consumer
+    warpgroup (m64n{D} instead of m64n{D/2} in each), the writer warp's barriers counting one warpgroup; d128 retires
+    dV and dK first (kDqRetiresKeyGradients); off, or without the writer warp, both warpgroups every step; no effect
+    at d256 (split columns: dQ by atomics)."""
+    config = hopper(head_dim)
     assert resources.Resources(config).hopper_dq_in_turns and not kernels.backward_problems(config)
     assert "taking turns" in kernels.FAMILIES["sm90"].describe_backward(config)
     backward = codegen.render(RULES, config)[codegen.source_names(RULES, config)["backward"]]
     assert "constexpr bool kDqInTurns = true;" in backward
-    assert "void wgmma_query_gradient(float (&d)[32]" in backward and "m64n64k16" in backward
-    for off in (hopper(64, dq_in_turns=False), hopper(64, dq_writer=False)):
+    assert f"void wgmma_query_gradient(float (&d)[{head_dim // 2}]" in backward and f"m64n{head_dim}k16" in backward
+    assert "constexpr bool kDqRetiresKeyGradients = kDqInTurns && kHeadDim > 64;" in backward
+    for off in (hopper(head_dim, dq_in_turns=False), hopper(head_dim, dq_writer=False)):
         assert not resources.Resources(off).hopper_dq_in_turns
         source = codegen.render(RULES, off)[codegen.source_names(RULES, off)["backward"]]
-        assert "constexpr bool kDqInTurns = false;" in source and "void wgmma_query_gradient(float (&d)[16]" in source
-    for head_dim in (128, 256):
-        assert not resources.Resources(hopper(head_dim)).hopper_dq_in_turns
-        assert not kernels.backward_problems(hopper(head_dim))
+        assert "constexpr bool kDqInTurns = false;" in source
+        assert f"void wgmma_query_gradient(float (&d)[{head_dim // 4}]" in source
+    assert not resources.Resources(hopper(256)).hopper_dq_in_turns
+    assert not kernels.backward_problems(hopper(256))

@@ -200,9 +200,9 @@ def test_the_forward_emulation_fails_on_wrong_addresses(mutation):
 
 def test_which_forward_variants_store_o_by_tma():
     """By default at d128 (FP8's too): a staging buffer of all a warpgroup's boxes (128 rows x head_dim x 2 bytes), an
-    O map in the output type (FP8's bf16), the exit waiting for the last reads. output_by_tma=2 anywhere a buffer fits:
-    d64, and d256 with half its boxes (two rounds; 32 KB, exactly what is left of 227 KB); never with 3 stages at d128.
-    output_by_tma=0 (False), and the default at d64 and d256: the stores, no buffer bytes, no O map."""
+    O map in the output type (FP8's bf16), the exit waiting for the last reads; and at d256 with half its boxes (two
+    rounds; 32 KB, exactly what is left of 227 KB). output_by_tma=2 anywhere a buffer fits: d64 too; never with 3
+    stages at d128. output_by_tma=0 (False), and the default at d64: the stores, no buffer bytes, no O map."""
     def variant(head_dim, dtype="bf16", stages=2, **options):
         tile = resources.default_tile(head_dim, dtype)
         return resources.Resources(KernelConfig(head_dim, dtype, "sm_90a",
@@ -219,16 +219,16 @@ def test_which_forward_variants_store_o_by_tma():
     def stores(head_dim: int, **options) -> int:
         return variant(head_dim, output_by_tma=0, **options).shared_storage_bytes
     for head_dim, options, staged in ((128, {}, 2), (128, {"dtype": "e4m3"}, 2), (64, {"output_by_tma": 2}, 1),
-                                      (256, {"output_by_tma": 2}, 2)):
+                                      (256, {"output_by_tma": 2}, 2), (256, {}, 2)):
         r = variant(head_dim, **options)
         assert r.output_staged_boxes == staged and r.output_by_tma
         dtype = {k: v for k, v in options.items() if k == "dtype"}
         assert r.shared_storage_bytes == stores(head_dim, **dtype) + 2 * staged * 64 * 128
     assert variant(256, output_by_tma=2).shared_memory_bytes == 227 * 1024
-    for off in (variant(128, output_by_tma=0), variant(128, output_by_tma=False), variant(64), variant(256),
-                variant(128, stages=3, output_by_tma=2)):
+    for off in (variant(128, output_by_tma=0), variant(128, output_by_tma=False), variant(64),
+                variant(256, output_by_tma=0), variant(128, stages=3, output_by_tma=2)):
         assert off.output_staged_boxes == 0 and not off.output_by_tma
     for wrong in (3, -1):
         assert any("output_by_tma must be 1" in p for p in kernels.problems(variant(128, output_by_tma=wrong).config))
-    for head_dim, options in ((128, {"output_by_tma": 0}), (64, {}), (256, {})):
+    for head_dim, options in ((128, {"output_by_tma": 0}), (64, {}), (256, {"output_by_tma": 0})):
         assert "constexpr int kStagedBoxes = 0;" in rendered_forward(head_dim, **options)

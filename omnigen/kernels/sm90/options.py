@@ -38,9 +38,9 @@ class HopperOptions(KernelOptions):
     # those stores and the waits behind their queue were 2% of the consumers' samples; cuDNN stages O this way).
     # 1: at the head dims where it was measured faster (resources.OUTPUT_BY_TMA_HEAD_DIMS: d128, FP8's too; d128
     # forward -4.3 / -6.1% at 8K, causal / Transfusion, H100, within 0.2% at 32K: "O by TMA from a staging buffer of
-    # its own"; d64 +0.2..+1.7%); 2: wherever a staging buffer fits beside Q and the K/V ring (d64; d256 in two rounds
-    # through a buffer of half its boxes, not timed yet; not with 3 stages at d128); 0 (False): never, every thread
-    # stores its pairs of O.
+    # its own"; d256 in two rounds through a buffer of half its boxes, -1.6..-2.4%: "d256's O by TMA, timed"; d64
+    # +0.2..+1.7%); 2: wherever a staging buffer fits beside Q and the K/V ring (d64 too; not with 3 stages at
+    # d128); 0 (False): never, every thread stores its pairs of O.
     output_by_tma: int = 1
 
     # ---- the Hopper backward
@@ -79,10 +79,11 @@ class HopperOptions(KernelOptions):
     # Atomic-order dQ reductions issued by a writer warp of the producer warpgroup instead of each consumer warp
     # ("The backward's dQ reductions from a writer warp").
     dq_writer: bool = True
-    # At d64, each step's dQ (every head dim) computed and staged by one consumer warpgroup, the two taking turns,
-    # instead of both computing half the head dims: a warpgroup's dQ product is then m64n64, not m64n32, and K is
-    # read once per step instead of twice. No effect at other head dims (at d128 the whole-width accumulator left
-    # ptxas too few registers: C7512) or without the writer warp ("dQ in turns at d64").
+    # At d64 and d128, each step's dQ (every head dim) computed and staged by one consumer warpgroup, the two taking
+    # turns, instead of both computing half the head dims: a warpgroup's dQ product is then m64n64 (m64n128), not
+    # m64n32 (m64n64), K is read once per step instead of twice, and the warpgroup without the turn goes on to its
+    # next step while the other computes and stages dQ. No effect at d256 or without the writer warp ("dQ in turns
+    # at d64"; "dQ in turns at d128, in cuDNN's order").
     dq_in_turns: bool = True
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").

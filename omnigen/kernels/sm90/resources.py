@@ -46,13 +46,14 @@ BACKWARD_STAGES_BY_HEAD_DIM = {64: 4}
 # step is as much softmax as products (paired on an H100: forward -1.4..-3.1%); one at d128 (within noise) and d256.
 SOFTMAX_CHAINS_BY_HEAD_DIM = {64: 2}
 # Head dims whose forward stores O by TMA from a staging buffer when the output_by_tma option leaves it to the head
-# dim (1, its default): d128 (FP8's too), where it took 4-6% off the 8K forward; at d64 it was 0.2-1.7% slower (its
-# epilogue has half the stores); d256 (two rounds through half the boxes) is not timed yet.
-OUTPUT_BY_TMA_HEAD_DIMS = (128,)
-# Head dims whose backward computes dQ in turns (the dq_in_turns option): at d128 a warpgroup's whole-width dQ
-# accumulator (64 registers) beside dK, dV and the next step's S^T left ptxas too few registers, and it serialised
-# every wgmma (C7512, 2.5 KB of spills).
-DQ_IN_TURNS_HEAD_DIMS = (64,)
+# dim (1, its default): d128 (FP8's too), where it took 4-6% off the 8K forward, and d256 (two rounds through half the
+# boxes: -1.6..-2.4%, H100, paired); at d64 it was 0.2-1.7% slower (its epilogue has half the stores).
+OUTPUT_BY_TMA_HEAD_DIMS = (128, 256)
+# Head dims whose backward computes dQ in turns (the dq_in_turns option): d64, and d128 since its warpgroup retires dV
+# and dK before issuing dQ and stages dQ before the next S^T (kDqRetiresKeyGradients; before that its 64-register
+# accumulator beside dK, dV, the in-flight fragments and the next S^T made ptxas serialise every wgmma, C7512). d128
+# fwd+bwd -3.0..-3.5% (H200, paired: "dQ in turns at d128, in cuDNN's order").
+DQ_IN_TURNS_HEAD_DIMS = (64, 128)
 HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
 
