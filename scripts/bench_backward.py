@@ -12,6 +12,8 @@ the forward FLOPs).
 `--print-modules` builds and prints each (rules, dim, tile) module's file as a JSON line; `--against FILE` (such
 lines from another tree) times that tree's modules and this tree's in one process, alternating call batches, and
 prints each figure's paired change (scripts/ab_trees.py --paired runs both for you).
+`--versus TILE` pairs every --tiles entry with TILE of this tree the same way: is a wider or deeper tile
+faster, measured in turns rather than in separate rounds.
 """
 from __future__ import annotations
 
@@ -80,11 +82,14 @@ def main() -> None:
                         help="build every (rules, dim, tile) module and print its file as a JSON line, then exit")
     parser.add_argument("--against", type=Path, metavar="FILE",
                         help="another tree's --print-modules lines: time its modules beside this tree's, alternating")
+    parser.add_argument("--versus", type=parse_tile, metavar="TILE",
+                        help="time every --tiles entry against this tile of the same tree, alternating (is a wider "
+                             "or deeper tile faster?); forward alone where either tile has no backward")
     parser.add_argument("--alternations", type=int, default=12,
-                        help="with --against: timed batches of each tree per figure (default 12)")
-    parser.add_argument("--json", type=Path, help="with --against: write every batch's figures here")
+                        help="with --against or --versus: timed batches of each side per figure (default 12)")
+    parser.add_argument("--json", type=Path, help="with --against or --versus: write every batch's figures here")
     parser.add_argument("--passes", nargs="+", choices=("forward", "fwd+bwd"), default=["forward", "fwd+bwd"],
-                        help="with --against: the passes timed (forward alone, for a change to the forward only, "
+                        help="with --against or --versus: the passes timed (forward alone, for a change to the forward only, "
                              "takes half the time)")
     add_options_option(parser)
     args = parser.parse_args()
@@ -97,8 +102,17 @@ def main() -> None:
                     print(json.dumps({"rules": rules_name, "dim": dim, "tile": tile.label, "file": module.__file__,
                                       "name": module.__name__}), flush=True)
         return
+    if args.against and args.versus:
+        parser.error("--against and --versus: one old side at a time")
     if args.against:
-        paired(args, options)
+        found = [json.loads(line) for line in args.against.read_text().splitlines() if line.startswith("{")]
+        lines = {(d["rules"], d["dim"], d["tile"]): d for d in found}
+        paired(args, options, lambda rules_name, dim, tile, new: load_other_module(lines[(rules_name, dim, tile.label)],
+                                                                                   new))
+        return
+    if args.versus:
+        paired(args, options, lambda rules_name, dim, tile, new: build(RULES[rules_name], dim, args.versus,
+                                                                       args.family, options))
         return
 
     if args.build_only:
@@ -166,10 +180,9 @@ def paired_change(old: list[float], new: list[float]) -> tuple[float, float, flo
     return statistics.median(ratios), quartiles[0], quartiles[2]
 
 
-def paired(args, options: dict) -> None:
-    """--against: each figure of the other tree's module (old) and this tree's (new), timed in turns."""
-    found = [json.loads(line) for line in args.against.read_text().splitlines() if line.startswith("{")]
-    lines = {(d["rules"], d["dim"], d["tile"]): d for d in found}
+def paired(args, options: dict, old_kernel: Callable) -> None:
+    """Each figure of the old side's kernel (`old_kernel(rules_name, dim, tile, new)`: the other tree's module of the
+    same tile, or this tree's --versus tile) and this tree's --tiles kernel (new), timed in turns."""
     print(f"{'rules':<12} {'D':>4} {'S':>6} {'tile':<14} {'pass':<8} {'old ms':>8} {'new ms':>8} {'change':>7} "
           f"{'quartiles':>16}")
     record = []
@@ -181,14 +194,17 @@ def paired(args, options: dict) -> None:
                 q, k, v, d_o = random_inputs(B, args.heads, S, dim, seed=0, heads_kv=args.heads_kv)
                 for tile in args.tiles:
                     new = build(rules, dim, tile, args.family, options)
-                    old = load_other_module(lines[(rules_name, dim, tile.label)], new)
-                    mask = new.mask(layout)  # one mask for both: the same tensors, the same memory
-                    def both(call, old=old, new=new):  # the pass as each tree's call
-                        return {"old": lambda: call(old), "new": lambda: call(new)}
+                    old = old_kernel(rules_name, dim, tile, new)
+                    # One mask for both trees (the same tensors, the same memory); each tile its own plan.
+                    masks = {"new": new.mask(layout)}
+                    masks["old"] = masks["new"] if old.config.tile == new.config.tile else old.mask(layout)
 
-                    passes = {"forward": both(lambda kernel: kernel(q, k, v, mask))} if "forward" in args.passes else {}
-                    if new.module.HAS_BACKWARD and "fwd+bwd" in args.passes:
-                        passes["fwd+bwd"] = both(lambda kernel: torch.autograd.grad(
+                    def both(call, old=old, new=new, masks=masks):  # the pass as each side's call
+                        return {"old": lambda: call(old, masks["old"]), "new": lambda: call(new, masks["new"])}
+
+                    passes = {"forward": both(lambda kernel, mask: kernel(q, k, v, mask))} if "forward" in args.passes else {}
+                    if new.module.HAS_BACKWARD and old.module.HAS_BACKWARD and "fwd+bwd" in args.passes:
+                        passes["fwd+bwd"] = both(lambda kernel, mask: torch.autograd.grad(
                             kernel(q, k, v, mask, deterministic=args.deterministic), (q, k, v), d_o))
                     for pass_name, functions in passes.items():
                         times = paired_ms(functions, args.alternations)
