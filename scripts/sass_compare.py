@@ -186,11 +186,31 @@ def variants(modules, preset: str, extra: list[str]) -> list[tuple[str, object]]
         for head_dim in (64, 128):
             out.append(("transfusion", KernelConfig(head_dim, "bf16", "sm_80", kernels.default_tile("sm_80", head_dim))))
     for text in extra:
-        rules_name, dtype, head_dim, tile, arch, *family = text.split(":")
+        rules_name, dtype, head_dim, tile, arch, *rest = text.split(":")
+        options = [part for part in rest if "=" in part]  # NAME=VALUE,...: the family's kernel options
+        family = "".join(part for part in rest if "=" not in part)
         m, n, w, s = (int(x) for x in tile.lower().split("x"))
-        out.append((rules_name, KernelConfig(int(head_dim), dtype, arch, TileConfig(m, n, w, s),
-                                             kernel_family="".join(family), forward_only=dtype in fp8_dtypes)))
+        config = KernelConfig(int(head_dim), dtype, arch, TileConfig(m, n, w, s), kernel_family=family,
+                              forward_only=dtype in fp8_dtypes)
+        if options:
+            config = with_options(kernels, config, ",".join(options))
+        out.append((rules_name, config))
     return out
+
+
+def with_options(kernels, config, text: str):
+    """`config` with the family's options NAME=VALUE,... (integers; booleans as 0/1)."""
+    import dataclasses
+
+    options_type = kernels.family_of(config).options_type
+    fields = {f.name: f for f in dataclasses.fields(options_type)}
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--variant option {name!r}: the {options_type.__name__} fields are {', '.join(fields)}")
+        values[name] = bool(int(value)) if fields[name].type in (bool, "bool") else int(value)
+    return dataclasses.replace(config, options=options_type(**values))
 
 
 def file_name(variant: str, kernel: str) -> str:
@@ -201,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", type=Path, default=ROOT, help="the source tree whose omnigen renders (default: this one)")
     parser.add_argument("--preset", choices=("default", "none"), default="default")
-    parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY]")
+    parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY][:NAME=VALUE,...] (the family's kernel options)")
     parser.add_argument("--out", type=Path, required=True, help="write <variant>__<kernel>.sass and usage.json here")
     parser.add_argument("--against", type=Path, help="compare with an earlier --out folder")
     parser.add_argument("--shift", action="append", default=[],

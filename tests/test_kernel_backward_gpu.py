@@ -611,6 +611,35 @@ def test_sm90_dq_in_turns(head_dim, case, options):
     _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
 
 
+# ---- a partial step's bits slot handed to the consumers in the stage's row tables (the bits_slot_in_tables option,
+# off by default): the producer writes it beside lse and Delta. Against float64 with half and all the partial tiles
+# read from bits (the rest evaluated in the same launch), and in deterministic mode bit for bit the default module's
+# gradients (the same arithmetic in the same order).
+
+
+@pytest.mark.parametrize("bits", ["half", "all"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] is not MIXED], ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_bits_slot_in_tables(case, head_dim, bits):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    strided = name == "pad_docs_strided"
+    options = {"bits_slot_in_tables": True}
+    assert _module(rules, head_dim, "bf16", family="sm90", options=options).PARTIAL_BITS
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
+                family="sm90", options=options, bits=bits)
+    if head_dim == 256:  # split columns: no deterministic mode
+        return
+    ours = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True, name=name,
+                       family="sm90", options=options, bits=bits)
+    default = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
+                          name=name, family="sm90", bits=bits)
+    for a, b, label in zip(ours, default, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), f"{label}: the bits slot from the tables changed the deterministic gradients"
+
+
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("s17_gqa", "pad_docs_strided", "misaligned_images_1000",
                                                               "all_pad_rows", "mixed_windows")],

@@ -104,6 +104,7 @@ class Sm90Family(KernelFamily):
             "early_scores": o.early_scores,
             "dq_writer": r.hopper_dq_writer,
             "dq_in_turns": r.hopper_dq_in_turns,
+            "bits_slot_in_tables": o.bits_slot_in_tables,
             # GQA in atomic mode: each query head adds its dK/dV into its group's fp32 rows (the binding's GROUP_DKDV)
             "group_dkdv": not problems,
             # dQ staged by stmatrix, its fp32 columns interleaved in groups of 8 (split columns add it by atomics)

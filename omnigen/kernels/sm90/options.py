@@ -85,6 +85,12 @@ class HopperOptions(KernelOptions):
     # next step while the other computes and stages dQ. No effect at d256 or without the writer warp ("dQ in turns
     # at d64"; "dQ in turns at d128, in cuDNN's order").
     dq_in_turns: bool = True
+    # A partial step's slot of the mask's bits handed to the consumers in the stage's row tables (the producer
+    # writes it beside lse and Delta) instead of each consumer computing it from the schedule: at d128 ptxas kept
+    # that schedule value on the stack and reloaded it every partial step (one LDL in the step loop); the producer
+    # pays two more of its own a step instead. Built, not yet run ("A partial step's bits slot in the stage's
+    # tables").
+    bits_slot_in_tables: bool = False
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
     backward_stages: int = 0

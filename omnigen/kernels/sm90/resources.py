@@ -238,7 +238,7 @@ class Resources:
         """sizeof(hopper::SharedStorage): K and V, stages x (Q, dO) of a step (paired dQ: one dO), two dS^T buffers
         (split scores: one dS^T and two P^T; paired dQ: three slots for both), the step's dQ (fp32, on its way to TMA;
         none with split columns, whose dQ goes by atomics), paired dQ's peer tiles, stages x the rows' tables (lse,
-        Delta, three token tables), then the barriers; rounded up to 1024 bytes."""
+        Delta, three token tables, a partial step's bits slot), then the barriers; rounded up to 1024 bytes."""
         t = self.config.tile
         kv = t.block_n * 128 * self.boxes
         rows = HOPPER_STEP_ROWS * 128 * self.boxes
@@ -250,7 +250,8 @@ class Resources:
         d_o_stages = 1 if self.hopper_paired_dq else stages
         # paired dQ: the peer's dS^T of two steps, and its K rows for this CTA's half of the head dims
         peer = 2 * ds + kv // 2 if self.hopper_paired_dq else 0
-        tables = stages * 5 * HOPPER_STEP_ROWS * 4
+        # + the bits slot, padded to 16 bytes (bits_slot_in_tables)
+        tables = stages * (5 * HOPPER_STEP_ROWS * 4 + (16 if self.options.bits_slot_in_tables else 0))
         barriers = 8 * (1 + 2 * stages + (4 if self.hopper_paired_dq else 0))  # paired: dO's full and empty, peer_full x 2
         total = 2 * kv + (stages + d_o_stages) * rows + score_buffers * ds + dq + peer + tables + barriers
         return -(-total // 1024) * 1024
