@@ -1,21 +1,28 @@
 """How long a Hopper backward grid takes on paper: one CTA per SM, each work tile (a kv-tile's column) costing a fixed
-amount plus a per-step amount, dispatched three ways.
+amount plus a per-step amount, dispatched in several orders.
 
-  grid      one CTA per tile, the hardware starting the next tile in grid order wherever a CTA finishes (today's)
-  static    a persistent grid, CTA b walking tiles b, b + SMs, ... (the persistent grid tried on 2026-11-27)
-  dynamic   a persistent grid taking tiles in grid order from a counter (the forward's way)
+  grid       one CTA per tile, the hardware starting the next tile in grid order wherever a CTA finishes (today's)
+  leading F  the same, the grid starting with every (head, batch) pair's first F kv-tiles (the leading_kv_tiles option)
+  static     a persistent grid, CTA b walking tiles b, b + SMs, ... (the persistent grid tried on 2026-11-27)
+  dynamic    a persistent grid taking tiles in grid order from a counter (the forward's way)
+  LPT        every tile longest first, no sections: the bound any order could reach (it ignores L2)
+  ideal      the work spread evenly over the SMs
 
-The persistent ways may pay a smaller fixed cost per tile (--persistent-fixed-us: K/V loaded while the last tile's
-dK/dV are stored). Tiles are the plain causal mask's columns in the atomic order's sections (2 pairs at d128);
---per-step-us and --fixed-us come from benchmarks/RESULTS.md's fit ("The backward's fixed cost per CTA"). What it
-leaves out: L2 (which (head, batch) pairs run together), and the pipeline's own overlap.
+Tiles come from real plans: the plain causal mask's columns (the default), or with --masks the columns of omnigen's
+mask catalogue (omnigen.mask_catalogue) and of the example rules' synthetic layouts (`transfusion`), each planned on
+this machine's CPU at 128 x 128 tiles, in the atomic order's sections (2 pairs at d128). --per-step-us and --fixed-us
+come from benchmarks/RESULTS.md's fit ("The backward's fixed cost per CTA"). What it leaves out: L2 (which (head,
+batch) pairs run together), and the pipeline's own overlap.
 
     python scripts/simulate_backward_grid.py --sizes 4096 8192 32768 --fixed-us 8 --persistent-fixed-us 4
+    python scripts/simulate_backward_grid.py --masks all --sizes 8192 32768 --leading 1 2
 """
 from __future__ import annotations
 
 import argparse
 import heapq
+import sys
+from pathlib import Path
 
 
 def causal_steps(seq_len: int, batch: int, heads: int, block: int = 128, section: int = 2) -> list[int]:
@@ -25,6 +32,20 @@ def causal_steps(seq_len: int, batch: int, heads: int, block: int = 128, section
     for first in range(0, pairs, section):
         for kv_tile in range(tiles):
             out += [2 * (tiles - kv_tile)] * min(section, pairs - first)
+    return out
+
+
+def grid_order(columns: list[list[int]], heads: int, section: int = 2, leading: int = 0) -> list[int]:
+    """Steps of every CTA in launch order: `columns[b][j]`, kv-tile j's steps in batch element b; pairs (head fastest)
+    in sections, kv-tiles slowest inside each, after every pair's first `leading` kv-tiles (kv-tile 0 of each pair,
+    then 1, ...), as the kernel's sectioned grid maps blockIdx."""
+    pairs = [(head, b) for b in range(len(columns)) for head in range(heads)]
+    kv_tiles = len(columns[0])
+    lead = min(leading, kv_tiles)
+    out = [columns[b][j] for j in range(lead) for _, b in pairs]
+    for first in range(0, len(pairs), section):
+        for j in range(lead, kv_tiles):
+            out += [columns[b][j] for _, b in pairs[first:first + section]]
     return out
 
 
@@ -46,6 +67,35 @@ def round_robin(costs: list[float], sms: int) -> float:
     return max(loads)
 
 
+def mask_columns(name: str, batch: int, seq_len: int) -> list[list[int]]:
+    """Steps of each kv-tile's column of the backward plan (128 x 128 tiles) of a catalogue mask, `causal`, or
+    `transfusion` (examples/rules/transfusion.yaml's synthetic layouts), per batch element."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import omnigen
+    from omnigen.mask_catalogue import catalogue_mask
+    from omnigen.tune import layouts as tune_layouts
+
+    if name == "causal":
+        rules = omnigen.Rules(name="causal", modalities={"text": "causal"})
+        layouts = [omnigen.Layout.from_segments([("text", seq_len)])] * batch
+    elif name == "transfusion":
+        rules = omnigen.Rules.load(Path(__file__).resolve().parent.parent / "examples/rules/transfusion.yaml")
+        layouts = tune_layouts.synthetic_batch(rules, seq_len, batch * seq_len, 0)
+    else:
+        made = catalogue_mask(name, batch, seq_len, "cpu")
+        mask = omnigen.mask_from_mod(made.mask_mod, batch, seq_len, "cpu", tiles=[(128, 128)])
+        return _columns(mask.plan(128, 128), batch)
+    layout = layouts[0] if batch == 1 else omnigen.Layout.batch(layouts)
+    return _columns(omnigen.plan(rules, layout, block_m=128, block_n=128), batch)
+
+
+def _columns(plan, batch: int) -> list[list[int]]:
+    ptr, kv_tiles = plan.bwd_ptr.long().tolist(), plan.num_kv_tiles
+    # bwd_ptr: per column first, causal, partial, then the next column's first (its end); two steps a q-tile
+    return [[2 * (ptr[3 * (b * kv_tiles + j) + 3] - ptr[3 * (b * kv_tiles + j)]) for j in range(kv_tiles)]
+            for b in range(batch)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 32768])
@@ -55,7 +105,36 @@ def main() -> None:
     parser.add_argument("--per-step-us", type=float, default=2.46)
     parser.add_argument("--fixed-us", type=float, default=8.0)
     parser.add_argument("--persistent-fixed-us", type=float, default=None, help="default: --fixed-us")
+    parser.add_argument("--masks", nargs="+", default=None,
+                        help="catalogue masks, 'causal', 'transfusion', or 'all' (every one): the grid orders of each "
+                             "mask's real columns instead of the persistent grids on the causal mask")
+    parser.add_argument("--leading", type=int, nargs="+", default=[1, 2], help="with --masks: leading kv-tiles to try")
     args = parser.parse_args()
+    if args.masks:
+        from omnigen.mask_catalogue import NAMES
+
+        names = [*NAMES, "transfusion", "causal"] if args.masks == ["all"] else args.masks
+        for seq_len in args.sizes:
+            batch = max(1, args.tokens // seq_len)
+            print(f"S = {seq_len}, B = {batch}: ms on paper; the orders' change against the grid's")
+            print(f"{'mask':<22} {'grid':>7} " + " ".join(f"{'leading ' + str(f):>10}" for f in args.leading) +
+                  f" {'LPT':>7} {'ideal':>7}  longest / mean column (steps)")
+            for name in names:
+                columns = mask_columns(name, batch, seq_len)
+
+                def cost(steps: int) -> float:
+                    return args.fixed_us + args.per_step_us * steps if steps else 0.5  # an empty column: its start
+
+                grid = next_free([cost(s) for s in grid_order(columns, args.heads)], args.sms)
+                leading = [next_free([cost(s) for s in grid_order(columns, args.heads, leading=f)], args.sms)
+                           for f in args.leading]
+                every = [cost(s) for s in grid_order(columns, args.heads)]
+                lpt = next_free(sorted(every, reverse=True), args.sms)
+                ideal = sum(every) / args.sms
+                flat = [s for c in columns for s in c]
+                print(f"{name:<22} {grid / 1e3:7.3f} " + " ".join(f"{t / grid - 1:>+10.1%}" for t in leading) +
+                      f" {lpt / grid - 1:>+7.1%} {ideal / grid - 1:>+7.1%}  {max(flat)} / {sum(flat) / len(flat):.1f}")
+        return
     persistent_fixed = args.fixed_us if args.persistent_fixed_us is None else args.persistent_fixed_us
     print(f"{'S':>6} {'grid ms':>8} {'static ms':>10} {'dynamic ms':>11}")
     for seq_len in args.sizes:

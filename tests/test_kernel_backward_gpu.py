@@ -611,6 +611,39 @@ def test_sm90_dq_in_turns(head_dim, case, options):
     _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
 
 
+# ---- the sectioned grids starting with every pair's first kv-tiles (the leading_kv_tiles option, off by default):
+# columns of 16-32 kv-tiles over 8-16 (head, batch) pairs, so that the leading kv-tiles, the sections after them and a
+# ragged last section all occur; an image at the start that every later token sees (its kv-tiles' columns run the
+# whole sequence, as global tokens' do) and plain text. Atomic order against float64; deterministic mode against
+# float64 and bit for bit the default module's (its dQ order is the kv-tiles' rank, not the launch order).
+
+LEADING_CASES = [
+    ("global_image_2048", TRANSFUSION, ["image:100 text:1948", "text:900 image:300@1 text:848@1"], 4, 2),
+    ("text_4096", TRANSFUSION, ["text:4096"], 3, 3),
+]
+
+
+@pytest.mark.parametrize("leading", [1, 2, 3])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", LEADING_CASES, ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_leading_kv_tiles(case, head_dim, leading):
+    _skip_unless_family_runs("sm90")
+    name, rules, layout_texts, Hq, Hkv = case
+    options = {"leading_kv_tiles": leading}
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=False, name=name,
+                family="sm90", options=options)
+    if head_dim == 256:  # split columns: no deterministic mode
+        return
+    ours = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=True, name=name,
+                       family="sm90", options=options)
+    default = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=True,
+                          name=name, family="sm90")
+    for a, b, label in zip(ours, default, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), f"{label}: the leading kv-tiles changed the deterministic gradients"
+
+
 # ---- a partial step's bits slot handed to the consumers in the stage's row tables (the bits_slot_in_tables option,
 # off by default): the producer writes it beside lse and Delta. Against float64 with half and all the partial tiles
 # read from bits (the rest evaluated in the same launch), and in deterministic mode bit for bit the default module's

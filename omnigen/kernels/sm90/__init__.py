@@ -105,6 +105,7 @@ class Sm90Family(KernelFamily):
             "dq_writer": r.hopper_dq_writer,
             "dq_in_turns": r.hopper_dq_in_turns,
             "bits_slot_in_tables": o.bits_slot_in_tables,
+            "leading_kv_tiles": o.leading_kv_tiles,
             # GQA in atomic mode: each query head adds its dK/dV into its group's fp32 rows (the binding's GROUP_DKDV)
             "group_dkdv": not problems,
             # dQ staged by stmatrix, its fp32 columns interleaved in groups of 8 (split columns add it by atomics)

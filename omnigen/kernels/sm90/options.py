@@ -85,6 +85,14 @@ class HopperOptions(KernelOptions):
     # next step while the other computes and stages dQ. No effect at d256 or without the writer warp ("dQ in turns
     # at d64"; "dQ in turns at d128, in cuDNN's order").
     dq_in_turns: bool = True
+    # The sectioned grids (atomic and deterministic order) start with the first this many kv-tiles of every (head,
+    # batch) pair, all pairs' kv-tile 0 first, then the sections over the remaining kv-tiles; 0: sections only.
+    # Why: a mask with global tokens at the start (Longformer, a sliding window with globals, attention sinks) gives
+    # each pair one or two kv-tile columns as long as the sequence among short window columns, and the last section's
+    # long columns, started last, ran alone at the end (on paper -16..-21% of the backward with 2 at 8K and 32K,
+    # within +0.4% elsewhere: "The backward grid's tail"). Lower kv-tiles of a head still start before higher ones,
+    # which deterministic mode's waits rely on. Built, not yet run.
+    leading_kv_tiles: int = 0
     # A partial step's slot of the mask's bits handed to the consumers in the stage's row tables (the producer
     # writes it beside lse and Delta) instead of each consumer computing it from the schedule: at d128 ptxas kept
     # that schedule value on the stack and reloaded it every partial step (one LDL in the step loop); the producer
@@ -97,7 +105,7 @@ class HopperOptions(KernelOptions):
 
     def problems(self) -> list[str]:
         out = []
-        for name in ("ordered_section_pairs", "atomic_section_pairs", "backward_stages"):
+        for name in ("ordered_section_pairs", "atomic_section_pairs", "backward_stages", "leading_kv_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 out.append(f"option {name} must be an integer >= 0, not {value!r}")
