@@ -1,5 +1,7 @@
 """How long a Hopper backward grid takes on paper: one CTA per SM, each work tile (a kv-tile's column) costing a fixed
-amount plus a per-step amount, dispatched in several orders.
+amount plus a per-step amount, dispatched in several orders. With --forward, the forward's work tiles instead (a
+q-tile's row of kv-tiles; sections of as many pairs as keep K and V in 5/8 of a 50 MB L2, last q-tile first inside
+each, and `leading` counting q-tiles: the leading_q_tiles option).
 
   grid       one CTA per tile, the hardware starting the next tile in grid order wherever a CTA finishes (today's)
   leading F  the same, the grid starting with every (head, batch) pair's first F kv-tiles (the leading_kv_tiles option)
@@ -16,6 +18,8 @@ batch) pairs run together), and the pipeline's own overlap.
 
     python scripts/simulate_backward_grid.py --sizes 4096 8192 32768 --fixed-us 8 --persistent-fixed-us 4
     python scripts/simulate_backward_grid.py --masks all --sizes 8192 32768 --leading 1 2
+    python scripts/simulate_backward_grid.py --masks all --sizes 8192 32768 --leading 1 --forward \
+        --fixed-us 3 --per-step-us 1.9
 """
 from __future__ import annotations
 
@@ -49,6 +53,30 @@ def grid_order(columns: list[list[int]], heads: int, section: int = 2, leading: 
     return out
 
 
+def forward_order(rows: list[list[int]], heads: int, section: int, leading: int = 0) -> list[int]:
+    """Kv-steps of every forward work tile in the sm90 forward's tile order: every pair's first `leading` q-tiles
+    (q-tile 0 of each pair, then 1, ...), then sections of `section` pairs, last q-tile first inside each."""
+    pairs = [(head, b) for b in range(len(rows)) for head in range(heads)]
+    q_tiles = len(rows[0])
+    lead = min(leading, q_tiles)
+    out = [rows[b][i] for i in range(lead) for _, b in pairs]
+    for first in range(0, len(pairs), section):
+        for i in range(q_tiles - 1, lead - 1, -1):
+            out += [rows[b][i] for _, b in pairs[first:first + section]]
+    return out
+
+
+def balanced_section(pairs: int, most: int) -> int:
+    """forward.cu.j2's balanced_section (the balanced_sections option): of the section sizes from half of `most` up to
+    `most`, the one whose last section holds the most pairs, the larger size on a tie."""
+    best, best_last = most, pairs % most or most
+    for size in range(most - 1, (most + 1) // 2 - 1, -1):
+        last = pairs % size or size
+        if last > best_last:
+            best, best_last = size, last
+    return best
+
+
 def next_free(costs: list[float], sms: int) -> float:
     """Makespan when each tile starts on whichever SM frees first, in order."""
     free, end = [0.0] * sms, 0.0
@@ -67,9 +95,10 @@ def round_robin(costs: list[float], sms: int) -> float:
     return max(loads)
 
 
-def mask_columns(name: str, batch: int, seq_len: int) -> list[list[int]]:
-    """Steps of each kv-tile's column of the backward plan (128 x 128 tiles) of a catalogue mask, `causal`, or
-    `transfusion` (examples/rules/transfusion.yaml's synthetic layouts), per batch element."""
+def mask_columns(name: str, batch: int, seq_len: int, forward: bool = False) -> list[list[int]]:
+    """Steps of each kv-tile's column of the backward plan (128 x 128 tiles; forward: kv-steps of each q-tile's row)
+    of a catalogue mask, `causal`, or `transfusion` (examples/rules/transfusion.yaml's synthetic layouts), per batch
+    element."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import omnigen
     from omnigen.mask_catalogue import catalogue_mask
@@ -84,15 +113,17 @@ def mask_columns(name: str, batch: int, seq_len: int) -> list[list[int]]:
     else:
         made = catalogue_mask(name, batch, seq_len, "cpu")
         mask = omnigen.mask_from_mod(made.mask_mod, batch, seq_len, "cpu", tiles=[(128, 128)])
-        return _columns(mask.plan(128, 128), batch)
+        return _columns(mask.plan(128, 128), batch, forward)
     layout = layouts[0] if batch == 1 else omnigen.Layout.batch(layouts)
-    return _columns(omnigen.plan(rules, layout, block_m=128, block_n=128), batch)
+    return _columns(omnigen.plan(rules, layout, block_m=128, block_n=128), batch, forward)
 
 
-def _columns(plan, batch: int) -> list[list[int]]:
-    ptr, kv_tiles = plan.bwd_ptr.long().tolist(), plan.num_kv_tiles
-    # bwd_ptr: per column first, causal, partial, then the next column's first (its end); two steps a q-tile
-    return [[2 * (ptr[3 * (b * kv_tiles + j) + 3] - ptr[3 * (b * kv_tiles + j)]) for j in range(kv_tiles)]
+def _columns(plan, batch: int, forward: bool) -> list[list[int]]:
+    # bwd_ptr (fwd_ptr): per column (row) first, causal, partial, then the next one's first (its end); the backward
+    # walks two 64-row steps a q-tile, the forward one kv-tile a step
+    ptr = (plan.fwd_ptr if forward else plan.bwd_ptr).long().tolist()
+    tiles, per_entry = (plan.num_q_tiles, 1) if forward else (plan.num_kv_tiles, 2)
+    return [[per_entry * (ptr[3 * (b * tiles + j) + 3] - ptr[3 * (b * tiles + j)]) for j in range(tiles)]
             for b in range(batch)]
 
 
@@ -108,7 +139,11 @@ def main() -> None:
     parser.add_argument("--masks", nargs="+", default=None,
                         help="catalogue masks, 'causal', 'transfusion', or 'all' (every one): the grid orders of each "
                              "mask's real columns instead of the persistent grids on the causal mask")
-    parser.add_argument("--leading", type=int, nargs="+", default=[1, 2], help="with --masks: leading kv-tiles to try")
+    parser.add_argument("--leading", type=int, nargs="+", default=[1, 2],
+                        help="with --masks: leading kv-tiles (--forward: q-tiles) to try")
+    parser.add_argument("--forward", action="store_true", help="with --masks: the forward's work tiles and order")
+    parser.add_argument("--head-dim", type=int, default=128, help="with --forward: sizes the L2 sections")
+    parser.add_argument("--l2-mib", type=float, default=50.0, help="with --forward: the L2 the sections fit, MiB (H100: 50, H200: 60)")
     args = parser.parse_args()
     if args.masks:
         from omnigen.mask_catalogue import NAMES
@@ -117,18 +152,31 @@ def main() -> None:
         for seq_len in args.sizes:
             batch = max(1, args.tokens // seq_len)
             print(f"S = {seq_len}, B = {batch}: ms on paper; the orders' change against the grid's")
-            print(f"{'mask':<22} {'grid':>7} " + " ".join(f"{'leading ' + str(f):>10}" for f in args.leading) +
+            labels = [f"leading {f}" for f in args.leading] + (["balanced"] if args.forward else [])
+            print(f"{'mask':<22} {'grid':>7} " + " ".join(f"{label:>10}" for label in labels) +
                   f" {'LPT':>7} {'ideal':>7}  longest / mean column (steps)")
+            # the forward's sections: pairs whose K and V fit 5/8 of L2 (tile_order in forward.cu.j2)
+            l2_bytes = int(args.l2_mib * 2**20)
+            section = max(1, min(batch * args.heads, l2_bytes * 5 // 8 // (seq_len * args.head_dim * 2 * 2)))
+            balanced = balanced_section(batch * args.heads, section)
+            if args.forward:
+                print(f"forward sections of {section} pairs; balanced: {balanced}")
             for name in names:
-                columns = mask_columns(name, batch, seq_len)
+                columns = mask_columns(name, batch, seq_len, args.forward)
 
                 def cost(steps: int) -> float:
                     return args.fixed_us + args.per_step_us * steps if steps else 0.5  # an empty column: its start
 
-                grid = next_free([cost(s) for s in grid_order(columns, args.heads)], args.sms)
-                leading = [next_free([cost(s) for s in grid_order(columns, args.heads, leading=f)], args.sms)
-                           for f in args.leading]
-                every = [cost(s) for s in grid_order(columns, args.heads)]
+                def order(lead: int) -> list[int]:
+                    if args.forward:
+                        return forward_order(columns, args.heads, section, lead)
+                    return grid_order(columns, args.heads, leading=lead)
+
+                grid = next_free([cost(s) for s in order(0)], args.sms)
+                leading = [next_free([cost(s) for s in order(f)], args.sms) for f in args.leading]
+                if args.forward:  # the balanced sections, as one more column
+                    leading.append(next_free([cost(s) for s in forward_order(columns, args.heads, balanced)], args.sms))
+                every = [cost(s) for s in order(0)]
                 lpt = next_free(sorted(every, reverse=True), args.sms)
                 ideal = sum(every) / args.sms
                 flat = [s for c in columns for s in c]

@@ -258,6 +258,33 @@ def test_sm90_forward_output_by_tma_gives_the_stores_bits(head_dim, dtype, persi
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
 
 
+# ---- the tile order's options, off by default: every pair's first q-tiles first (leading_q_tiles), sections sized so
+# that the last one is not a sliver (balanced_sections). Which CTA takes a work tile changes, what the tile computes
+# does not, so the output is the default module's bit for bit; the many-tile layouts (8K tokens, 2 x 16 heads: more
+# tiles than SMs, several sections), both grids.
+
+
+@pytest.mark.parametrize("head_dim,persistent,options", [
+    (128, True, {"leading_q_tiles": 1}), (128, False, {"leading_q_tiles": 1}), (128, True, {"leading_q_tiles": 3}),
+    (64, True, {"leading_q_tiles": 2}), (256, True, {"leading_q_tiles": 1}), (256, False, {"leading_q_tiles": 2}),
+    (128, True, {"balanced_sections": True}), (128, False, {"balanced_sections": True}),
+    (64, True, {"balanced_sections": True, "leading_q_tiles": 1}),
+], ids=["d128-lead1", "d128-grid-lead1", "d128-lead3", "d64-lead2", "d256-lead1", "d256-grid-lead2", "d128-balanced",
+        "d128-grid-balanced", "d64-balanced-lead1"])
+def test_sm90_forward_tile_order_options_give_the_default_bits(head_dim, persistent, options):
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    config = _config(head_dim, "bf16", "sm90")
+    default = cache.get_module(TRANSFUSION, with_options(config, persistent=persistent))
+    ordered = cache.get_module(TRANSFUSION, with_options(config, persistent=persistent, **options))
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_LAYOUTS])
+    q, k, v = _inputs(2, 16, 4, layout.seq_len, head_dim, torch.bfloat16, strided=True)
+    out, lse = run_forward(ordered, TRANSFUSION, layout, q, k, v)
+    expected, expected_lse = run_forward(default, TRANSFUSION, layout, q, k, v)
+    assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
 def test_forward_rejects_bad_arguments():
     module = _module(TRANSFUSION, 128, "bf16")
     q, k, v = _inputs(1, 2, 2, 64, 128, torch.bfloat16, strided=False)

@@ -42,6 +42,18 @@ class HopperOptions(KernelOptions):
     # +0.2..+1.7%); 2: wherever a staging buffer fits beside Q and the K/V ring (d64 too; not with 3 stages at
     # d128); 0 (False): never, every thread stores its pairs of O.
     output_by_tma: int = 1
+    # The tile order starts with every (head, batch) pair's first this many q-tiles (q-tile 0 of every pair, then 1,
+    # ...), then the sections over the rest, last q-tile first; 0: sections only. Why: global queries at the start
+    # (Longformer's) make q-tile 0's row as long as the sequence, and each section took it last, so the last
+    # section's ran alone at the end (on paper -17% / -27% of Longformer's forward at 8K / 32K with 1, within
+    # 0.3% on the other masks: "The backward grid's tail"). Built, not yet run.
+    leading_q_tiles: int = 0
+    # The tile order's sections (as many pairs as keep K and V in 5/8 of L2) sized between half that and all of it so
+    # that the last section holds the most pairs: 64 pairs in sections of 7 left one pair for last, whose longest rows
+    # (64 kv-steps at 8K) started when little else was left and ran alone at the end. On paper -3.3% / -4.0% of the
+    # d128 forward on the causal mask at 4K / 8K (sections of 13 / 6), -2.7% on Transfusion, 0 elsewhere: "The
+    # forward's last section". Built, not yet run.
+    balanced_sections: bool = False
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
@@ -105,7 +117,8 @@ class HopperOptions(KernelOptions):
 
     def problems(self) -> list[str]:
         out = []
-        for name in ("ordered_section_pairs", "atomic_section_pairs", "backward_stages", "leading_kv_tiles"):
+        for name in ("ordered_section_pairs", "atomic_section_pairs", "backward_stages", "leading_kv_tiles",
+                     "leading_q_tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 out.append(f"option {name} must be an integer >= 0, not {value!r}")
