@@ -611,6 +611,24 @@ def test_sm90_dq_in_turns(head_dim, case, options):
     _same_bits_again(module, rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided, first, runs=2)
 
 
+def _check_option_as_default(case, head_dim: int, options: dict, bits: str | None = None) -> None:
+    """An sm90 option that must not change the arithmetic: atomic order against float64, then (where the module has a
+    deterministic mode: not d256's split columns) deterministic mode against float64 and bit for bit the default
+    module's gradients."""
+    name, rules, layout_texts, Hq, Hkv = case
+    strided = name == "pad_docs_strided"
+    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
+                family="sm90", options=options, bits=bits)
+    if head_dim == 256:
+        return
+    ours = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True, name=name,
+                       family="sm90", options=options, bits=bits)
+    default = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
+                          name=name, family="sm90", bits=bits)
+    for a, b, label in zip(ours, default, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), f"{label}: {options} changed the deterministic gradients"
+
+
 # ---- the sectioned grids starting with every pair's first kv-tiles (the leading_kv_tiles option, off by default):
 # columns of 16-32 kv-tiles over 8-16 (head, batch) pairs, so that the leading kv-tiles, the sections after them and a
 # ragged last section all occur; an image at the start that every later token sees (its kv-tiles' columns run the
@@ -630,18 +648,7 @@ LEADING_CASES = [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_leading_kv_tiles(case, head_dim, leading):
     _skip_unless_family_runs("sm90")
-    name, rules, layout_texts, Hq, Hkv = case
-    options = {"leading_kv_tiles": leading}
-    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=False, name=name,
-                family="sm90", options=options)
-    if head_dim == 256:  # split columns: no deterministic mode
-        return
-    ours = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=True, name=name,
-                       family="sm90", options=options)
-    default = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=False, deterministic=True,
-                          name=name, family="sm90")
-    for a, b, label in zip(ours, default, ("dq", "dk", "dv")):
-        assert torch.equal(a, b), f"{label}: the leading kv-tiles changed the deterministic gradients"
+    _check_option_as_default(case, head_dim, {"leading_kv_tiles": leading})
 
 
 # ---- a partial step's bits slot handed to the consumers in the stage's row tables (the bits_slot_in_tables option,
@@ -657,20 +664,9 @@ def test_sm90_leading_kv_tiles(case, head_dim, leading):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_bits_slot_in_tables(case, head_dim, bits):
     _skip_unless_family_runs("sm90")
-    name, rules, layout_texts, Hq, Hkv = case
-    strided = name == "pad_docs_strided"
     options = {"bits_slot_in_tables": True}
-    assert _module(rules, head_dim, "bf16", family="sm90", options=options).PARTIAL_BITS
-    _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=False, name=name,
-                family="sm90", options=options, bits=bits)
-    if head_dim == 256:  # split columns: no deterministic mode
-        return
-    ours = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True, name=name,
-                       family="sm90", options=options, bits=bits)
-    default = _check_case(rules, layout_texts, Hq, Hkv, head_dim, "bf16", strided=strided, deterministic=True,
-                          name=name, family="sm90", bits=bits)
-    for a, b, label in zip(ours, default, ("dq", "dk", "dv")):
-        assert torch.equal(a, b), f"{label}: the bits slot from the tables changed the deterministic gradients"
+    assert _module(case[1], head_dim, "bf16", family="sm90", options=options).PARTIAL_BITS
+    _check_option_as_default(case, head_dim, options, bits=bits)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16")])
