@@ -95,7 +95,7 @@ def round_robin(costs: list[float], sms: int) -> float:
     return max(loads)
 
 
-def mask_columns(name: str, batch: int, seq_len: int, forward: bool = False) -> list[list[int]]:
+def mask_columns(name: str, batch: int, seq_len: int, forward: bool = False, block_n: int = 128) -> list[list[int]]:
     """Steps of each kv-tile's column of the backward plan (128 x 128 tiles; forward: kv-steps of each q-tile's row)
     of a catalogue mask, `causal`, or `transfusion` (examples/rules/transfusion.yaml's synthetic layouts), per batch
     element."""
@@ -112,10 +112,10 @@ def mask_columns(name: str, batch: int, seq_len: int, forward: bool = False) -> 
         layouts = tune_layouts.synthetic_batch(rules, seq_len, batch * seq_len, 0)
     else:
         made = catalogue_mask(name, batch, seq_len, "cpu")
-        mask = omnigen.mask_from_mod(made.mask_mod, batch, seq_len, "cpu", tiles=[(128, 128)])
-        return _columns(mask.plan(128, 128), batch, forward)
+        mask = omnigen.mask_from_mod(made.mask_mod, batch, seq_len, "cpu", tiles=[(128, block_n)])
+        return _columns(mask.plan(128, block_n), batch, forward)
     layout = layouts[0] if batch == 1 else omnigen.Layout.batch(layouts)
-    return _columns(omnigen.plan(rules, layout, block_m=128, block_n=128), batch, forward)
+    return _columns(omnigen.plan(rules, layout, block_m=128, block_n=block_n), batch, forward)
 
 
 def _columns(plan, batch: int, forward: bool) -> list[list[int]]:
@@ -143,6 +143,7 @@ def main() -> None:
                         help="with --masks: leading kv-tiles (--forward: q-tiles) to try")
     parser.add_argument("--forward", action="store_true", help="with --masks: the forward's work tiles and order")
     parser.add_argument("--head-dim", type=int, default=128, help="with --forward: sizes the L2 sections")
+    parser.add_argument("--block-n", type=int, default=128, help="with --masks: the plans' kv-tile (d256: 64)")
     parser.add_argument("--l2-mib", type=float, default=50.0, help="with --forward: the L2 the sections fit, MiB (H100: 50, H200: 60)")
     args = parser.parse_args()
     if args.masks:
@@ -162,7 +163,7 @@ def main() -> None:
             if args.forward:
                 print(f"forward sections of {section} pairs; balanced: {balanced}")
             for name in names:
-                columns = mask_columns(name, batch, seq_len, args.forward)
+                columns = mask_columns(name, batch, seq_len, args.forward, args.block_n)
 
                 def cost(steps: int) -> float:
                     return args.fixed_us + args.per_step_us * steps if steps else 0.5  # an empty column: its start
