@@ -50,9 +50,10 @@ class HopperOptions(KernelOptions):
     leading_q_tiles: int = 0
     # The tile order's sections (as many pairs as keep K and V in 5/8 of L2) sized between half that and all of it so
     # that the last section holds the most pairs: 64 pairs in sections of 7 left one pair for last, whose longest rows
-    # (64 kv-steps at 8K) started when little else was left and ran alone at the end. On paper -3.3% / -4.0% of the
-    # d128 forward on the causal mask at 4K / 8K (sections of 13 / 6), -2.7% on Transfusion, 0 elsewhere: "The
-    # forward's last section". Built, not yet run.
+    # (64 kv-steps at 8K) started when little else was left and ran alone at the end. On paper the d128 forward on
+    # the causal mask -4.0% / -4.1% at 8K (H100 / H200 L2), -3.3% at 4K on the H200, Transfusion -2.7..-3.4%, d256
+    # -3.7..-3.9% at 4K-8K; nothing where the sections already divide the pairs: "The forward's last section". Built,
+    # not yet run.
     balanced_sections: bool = False
 
     # ---- the Hopper backward
