@@ -46,7 +46,7 @@ class HopperOptions(KernelOptions):
     # ...), then the sections over the rest, last q-tile first; 0: sections only. Why: global queries at the start
     # (Longformer's) make q-tile 0's row as long as the sequence, and each section took it last, so the last
     # section's ran alone at the end (on paper -17% / -27% of Longformer's forward at 8K / 32K with 1, within
-    # 0.3% on the other masks: "The backward grid's tail"). Built, not yet run.
+    # 0.3% on the other masks: "The forward's last section, and Longformer's global queries"). Built, not yet run.
     leading_q_tiles: int = 0
     # The tile order's sections (as many pairs as keep K and V in 5/8 of L2) sized between half that and all of it so
     # that the last section holds the most pairs: 64 pairs in sections of 7 left one pair for last, whose longest rows
