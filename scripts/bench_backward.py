@@ -202,7 +202,9 @@ def paired(args, options: dict, old_kernel: Callable) -> None:
                     def both(call, old=old, new=new, masks=masks):  # the pass as each side's call
                         return {"old": lambda: call(old, masks["old"]), "new": lambda: call(new, masks["new"])}
 
-                    passes = {"forward": both(lambda kernel, mask: kernel(q, k, v, mask))} if "forward" in args.passes else {}
+                    passes = {}
+                    if "forward" in args.passes:
+                        passes["forward"] = both(lambda kernel, mask: kernel(q, k, v, mask))
                     if new.module.HAS_BACKWARD and old.module.HAS_BACKWARD and "fwd+bwd" in args.passes:
                         passes["fwd+bwd"] = both(lambda kernel, mask: torch.autograd.grad(
                             kernel(q, k, v, mask, deterministic=args.deterministic), (q, k, v), d_o))

@@ -76,7 +76,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     print(f"options {options}; {args.alternations} paired batches a figure; GPU {torch.cuda.get_device_name()}")
-    print(f"{'mask':<22} {'D':>4} {'S':>6} {'pass':<8} {'default ms':>10} {'option ms':>10} {'change':>8} {'quartiles':>18}")
+    print(f"{'mask':<22} {'D':>4} {'S':>6} {'pass':<8} {'default ms':>10} {'option ms':>10} {'change':>8} "
+          f"{'quartiles':>18}")
     record = []
     for name in masks:
         for S in args.sizes:

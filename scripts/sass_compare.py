@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", type=Path, default=ROOT, help="the source tree whose omnigen renders (default: this one)")
     parser.add_argument("--preset", choices=("default", "none"), default="default")
-    parser.add_argument("--variant", action="append", default=[], help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY][:NAME=VALUE,...] (the family's kernel options)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY][:NAME=VALUE,...] (the family's kernel options)")
     parser.add_argument("--out", type=Path, required=True, help="write <variant>__<kernel>.sass and usage.json here")
     parser.add_argument("--against", type=Path, help="compare with an earlier --out folder")
     parser.add_argument("--shift", action="append", default=[],

@@ -144,7 +144,8 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="with --masks: the forward's work tiles and order")
     parser.add_argument("--head-dim", type=int, default=128, help="with --forward: sizes the L2 sections")
     parser.add_argument("--block-n", type=int, default=128, help="with --masks: the plans' kv-tile (d256: 64)")
-    parser.add_argument("--l2-mib", type=float, default=50.0, help="with --forward: the L2 the sections fit, MiB (H100: 50, H200: 60)")
+    parser.add_argument("--l2-mib", type=float, default=50.0,
+                        help="with --forward: the L2 the sections fit, MiB (H100: 50, H200: 60)")
     args = parser.parse_args()
     if args.masks:
         from omnigen.mask_catalogue import NAMES
