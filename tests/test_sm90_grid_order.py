@@ -2,7 +2,8 @@
 variant's shared header), compiled by the real nvcc and run on the host, no GPU needed: every CTA index maps to one
 (pair, step), every (pair, step) is taken, and a pair's steps come in rising order, which deterministic mode's waits
 rely on (a kv-tile waits only for lower kv-tiles of its head, launched before it). The leading steps (the
-leading_q_tiles / leading_kv_tiles options) over every section size, ragged last sections and leads past the end.
+leading_q_tiles / leading_kv_tiles options) over every section size, ragged last sections and leads past the end;
+and the forward's balanced section size (the balanced_sections option) against its definition.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ int main() {
           }
           ++cases;
         }
+  // balanced_section: a size from half of `most` up to `most` whose last section is the largest, the larger on a tie
+  for (int pairs = 1; pairs <= 300; ++pairs)
+    for (int most = 1; most <= pairs; ++most) {
+      const int size = balanced_section(pairs, most);
+      auto last = [&](int s) { return pairs % s != 0 ? pairs % s : s; };
+      bool ok = size >= (most + 1) / 2 && size <= most;
+      for (int s = (most + 1) / 2; ok && s <= most; ++s) ok = last(s) < last(size) || (last(s) == last(size) && s <= size);
+      if (!ok) {
+        std::printf("balanced_section(%d, %d) = %d\n", pairs, most, size);
+        return 1;
+      }
+      ++cases;
+    }
   std::printf("ok %ld\n", cases);
   return 0;
 }
