@@ -131,4 +131,7 @@ class HopperOptions(KernelOptions):
                        f"0 (never), not {self.output_by_tma!r}")
         if self.backward_stages == 1:
             out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
+        if self.leading_kv_tiles and not (self.atomic_section_pairs or self.ordered_section_pairs):
+            out.append("option leading_kv_tiles orders the backward's sectioned grids: with atomic_section_pairs and "
+                       "ordered_section_pairs both 0 there is none (set one, or leading_kv_tiles=0)")
         return out
