@@ -41,3 +41,23 @@ def test_only_local_memory_in_innermost_loops_with_products_counts():
 
 def test_a_listing_without_loops_has_no_step_loop_local_memory():
     assert _script().step_loop_local_memory(["LDL R1, [R1]", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "EXIT"]) == (1, 0)
+
+
+def test_a_variant_may_name_the_familys_options():
+    """`--variant RULES:DTYPE:D:MxNxWxS:ARCH[:FAMILY][:NAME=VALUE,...]`: options as the family's dataclass types them
+    (0/1 for booleans); an unknown name stops with the fields the family has."""
+    import pytest
+
+    from omnigen import kernels
+    from omnigen.jit import codegen, toolchain
+    from omnigen import rules as rules_module
+
+    script = _script()
+    modules = (codegen, toolchain, kernels, rules_module)
+    chosen = script.variants(modules, "none", ["transfusion:bf16:128:128x128x12x2:sm_90a:leading_kv_tiles=2,"
+                                               "bits_slot_in_tables=1", "transfusion:bf16:64:128x64x4x2:sm_80"])
+    (_, hopper), (_, ampere) = chosen
+    assert hopper.options.leading_kv_tiles == 2 and hopper.options.bits_slot_in_tables is True
+    assert hopper.label.endswith("leading_kv_tiles2_bits_slot_in_tables1") and ampere.options is None
+    with pytest.raises(SystemExit, match="HopperOptions fields"):
+        script.variants(modules, "none", ["transfusion:bf16:128:128x128x12x2:sm_90a:no_such_option=1"])
