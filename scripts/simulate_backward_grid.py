@@ -66,11 +66,12 @@ def forward_order(rows: list[list[int]], heads: int, section: int, leading: int 
     return out
 
 
-def balanced_section(pairs: int, most: int) -> int:
-    """forward.cu.j2's balanced_section (the balanced_sections option): of the section sizes from half of `most` up to
-    `most`, the one whose last section holds the most pairs, the larger size on a tie."""
+def balanced_section(pairs: int, most: int, unit: int = 1) -> int:
+    """The shared header's balanced_section (the balanced_sections option): of the section sizes from half of `most`
+    up to `most`, multiples of `unit` (a GQA group), the one whose last section holds the most pairs, the larger size
+    on a tie."""
     best, best_last = most, pairs % most or most
-    for size in range(most - 1, (most + 1) // 2 - 1, -1):
+    for size in range(most - unit, max(0, (most + 1) // 2 - 1), -unit):
         last = pairs % size or size
         if last > best_last:
             best, best_last = size, last

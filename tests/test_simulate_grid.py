@@ -44,6 +44,7 @@ def test_balanced_section_keeps_the_last_section_large():
     assert sim.balanced_section(64, 9) == 8  # 8 divides 64
     assert sim.balanced_section(64, 14) == 13  # 14 leaves 8, 13 leaves 12
     assert sim.balanced_section(16, 1) == 1 and sim.balanced_section(5, 5) == 5
+    assert sim.balanced_section(64, 28, 4) == 24  # whole GQA groups of 4: 28 leaves 8, 24 leaves 16, 20 leaves 4
 
 
 def test_columns_of_the_causal_mask():

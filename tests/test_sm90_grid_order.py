@@ -52,19 +52,22 @@ int main() {
           }
           ++cases;
         }
-  // balanced_section: a size from half of `most` up to `most` whose last section is the largest, the larger on a tie
-  for (int pairs = 1; pairs <= 300; ++pairs)
-    for (int most = 1; most <= pairs; ++most) {
-      const int size = balanced_section(pairs, most);
-      auto last = [&](int s) { return pairs % s != 0 ? pairs % s : s; };
-      bool ok = size >= (most + 1) / 2 && size <= most;
-      for (int s = (most + 1) / 2; ok && s <= most; ++s) ok = last(s) < last(size) || (last(s) == last(size) && s <= size);
-      if (!ok) {
-        std::printf("balanced_section(%d, %d) = %d\n", pairs, most, size);
-        return 1;
+  // balanced_section: a multiple of `unit` from half of `most` up to `most` whose last section is the largest, the
+  // larger on a tie (pairs and most are multiples of the GQA group `unit`, as the launcher's are)
+  for (int unit = 1; unit <= 4; unit *= 2)
+    for (int pairs = unit; pairs <= 300; pairs += unit)
+      for (int most = unit; most <= pairs; most += unit) {
+        const int size = balanced_section(pairs, most, unit);
+        auto last = [&](int s) { return pairs % s != 0 ? pairs % s : s; };
+        bool ok = size >= (most + 1) / 2 && size <= most && size % unit == 0;
+        for (int s = most; ok && s >= (most + 1) / 2; s -= unit)
+          ok = last(s) < last(size) || (last(s) == last(size) && s <= size);
+        if (!ok) {
+          std::printf("balanced_section(%d, %d, %d) = %d\n", pairs, most, unit, size);
+          return 1;
+        }
+        ++cases;
       }
-      ++cases;
-    }
   std::printf("ok %ld\n", cases);
   return 0;
 }
