@@ -651,6 +651,21 @@ def test_sm90_leading_kv_tiles(case, head_dim, leading):
     _check_option_as_default(case, head_dim, {"leading_kv_tiles": leading})
 
 
+# ---- the backward producer's registers (the backward_producer_registers option, off by default): 32 for the producer
+# warpgroup, 232 for each consumer thread, where d64 and d256 then keep no value in local memory.
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "misaligned_images_1000",
+                                                              "short_segments", "documents_1000")],
+                         ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_backward_producer_registers(case, head_dim):
+    _skip_unless_family_runs("sm90")
+    _check_option_as_default(case, head_dim, {"backward_producer_registers": 32}, bits="half")
+
+
 # ---- a partial step's bits slot handed to the consumers in the stage's row tables (the bits_slot_in_tables option,
 # off by default): the producer writes it beside lse and Delta. Against float64 with half and all the partial tiles
 # read from bits (the rest evaluated in the same launch), and in deterministic mode bit for bit the default module's

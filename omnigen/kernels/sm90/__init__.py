@@ -114,8 +114,8 @@ class Sm90Family(KernelFamily):
             "dq_interleaved": r.hopper_tma_dq,
             "hopper_step_rows": resources.HOPPER_STEP_ROWS,
             "hopper_stages": r.hopper_stages,
-            "hopper_producer_registers": resources.HOPPER_PRODUCER_REGISTERS,
-            "hopper_consumer_registers": resources.HOPPER_CONSUMER_REGISTERS,
+            "hopper_producer_registers": r.hopper_producer_registers,
+            "hopper_consumer_registers": r.hopper_consumer_registers,
             "hopper_shared_bytes": r.hopper_shared_storage_bytes,
             # the binding's BACKWARD_CONFIG: the Hopper dK/dV kernel (no dQ kernel of its own)
             "bwd_threads": 384,

@@ -112,6 +112,11 @@ class HopperOptions(KernelOptions):
     # pays two more of its own a step instead. Built, not yet run ("A partial step's bits slot in the stage's
     # tables").
     bits_slot_in_tables: bool = False
+    # The backward's producer warpgroup's registers a thread (24, 32 or 40; 0: 24), the consumers taking what is left
+    # (240, 232, 224). With 32 the d64 and d256 kernels have no local memory at all (the producer thread's 8 spilled
+    # values, reloaded every step, 14 and 17 local accesses in all); d128's consumers need 240. Built, not yet run
+    # ("The backward producer's registers").
+    backward_producer_registers: int = 0
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
     backward_stages: int = 0
@@ -131,6 +136,9 @@ class HopperOptions(KernelOptions):
                        f"0 (never), not {self.output_by_tma!r}")
         if self.backward_stages == 1:
             out.append("option backward_stages must be 0 (the head dim's default) or at least 2, not 1")
+        if self.backward_producer_registers not in (0, 24, 32, 40) or isinstance(self.backward_producer_registers, bool):
+            out.append(f"option backward_producer_registers must be 24, 32 or 40 (0: 24), not "
+                       f"{self.backward_producer_registers!r}")
         if self.leading_kv_tiles and not (self.atomic_section_pairs or self.ordered_section_pairs):
             out.append("option leading_kv_tiles orders the backward's sectioned grids: with atomic_section_pairs and "
                        "ordered_section_pairs both 0 there is none (set one, or leading_kv_tiles=0)")

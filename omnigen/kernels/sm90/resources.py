@@ -56,6 +56,10 @@ OUTPUT_BY_TMA_HEAD_DIMS = (128, 256)
 DQ_IN_TURNS_HEAD_DIMS = (64, 128)
 HOPPER_PRODUCER_REGISTERS = 24
 HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
+# The registers setmaxnreg hands back: the launch's 168 a thread x 384 threads, shared by the producer warpgroup and
+# the two consumer warpgroups (the backward_producer_registers option moves them; multiples of 8).
+HOPPER_REGISTER_POOL = 168 * 384
+BACKWARD_PRODUCER_REGISTER_CHOICES = (24, 32, 40)
 
 
 # The FP8 forward's kv-tile when nobody picks one: 192 keys spread each step's fixed costs (barrier waits, the
@@ -255,6 +259,17 @@ class Resources:
         barriers = 8 * (1 + 2 * stages + (4 if self.hopper_paired_dq else 0))  # paired: dO's full and empty, peer_full x 2
         total = 2 * kv + (stages + d_o_stages) * rows + score_buffers * ds + dq + peer + tables + barriers
         return -(-total // 1024) * 1024
+
+    @property
+    def hopper_producer_registers(self) -> int:
+        """The Hopper backward's producer warpgroup's registers a thread (the backward_producer_registers option, 0:
+        HOPPER_PRODUCER_REGISTERS)."""
+        return self.options.backward_producer_registers or HOPPER_PRODUCER_REGISTERS
+
+    @property
+    def hopper_consumer_registers(self) -> int:
+        """What is left a consumer thread: the pool less the producer's, over 256 threads, down to a multiple of 8."""
+        return min(256, (HOPPER_REGISTER_POOL - 128 * self.hopper_producer_registers) // 256 // 8 * 8)
 
     @property
     def hopper_stages(self) -> int:
