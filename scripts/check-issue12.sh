@@ -12,13 +12,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-issue12}"
 RULES=examples/rules/transfusion.yaml
-declare -a names statuses notes
-status=0
-record() {  # name, exit code, note
-  names+=("$1"); notes+=("$3")
-  if [ "$2" -eq 0 ]; then statuses+=("ok"); else statuses+=("FAIL($2)"); status=1; fi
-}
-elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
+source scripts/check_steps.sh  # record, elapsed, print_summary
 
 echo "== environment" | tee "$out/environment.log"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -61,7 +55,6 @@ rc=$?; cat "$out/bench.log"; record bench $rc "$(grep -c ' omnigen ' "$out/bench
 
 echo
 echo "== summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
-printf '%-14s %-9s %s\n' step status note
-for i in "${!names[@]}"; do printf '%-14s %-9s %s\n' "${names[$i]}" "${statuses[$i]}" "${notes[$i]}"; done
+print_summary 14
 grep -E "^loss curves|^tokens/s" "$out/train.log" 2>/dev/null
 exit $status

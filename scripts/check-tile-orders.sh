@@ -19,13 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-tile-orders}"
 steps=" ${STEPS:-1 2 3 4} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-declare -a names statuses notes
-status=0
-record() {  # name, exit code, note
-  names+=("$1"); notes+=("$3")
-  if [ "$2" -eq 0 ]; then statuses+=("ok"); else statuses+=("FAIL($2)"); status=1; fi
-}
-elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
+source scripts/check_steps.sh  # record, elapsed, print_summary
 
 { nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
   git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$out/environment.log"
@@ -76,5 +70,5 @@ fi
 
 echo
 echo "== summary ($(head -1 "$out/environment.log"))"
-for i in "${!names[@]}"; do printf '%-22s %-9s %s\n' "${names[$i]}" "${statuses[$i]}" "${notes[$i]}"; done
+print_summary 22
 exit $status
