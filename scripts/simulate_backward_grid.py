@@ -30,40 +30,35 @@ from pathlib import Path
 
 
 def causal_steps(seq_len: int, batch: int, heads: int, block: int = 128, section: int = 2) -> list[int]:
-    """Each tile's steps (two 64-row steps a q-tile) in the sectioned grid order: sections of `section` (head,
-    batch) pairs, kv-tiles slowest inside each (longest column first)."""
-    tiles, pairs, out = seq_len // block, batch * heads, []
-    for first in range(0, pairs, section):
-        for kv_tile in range(tiles):
-            out += [2 * (tiles - kv_tile)] * min(section, pairs - first)
+    """Each tile's steps (two 64-row steps a q-tile) in the sectioned grid order on the plain causal mask: kv-tile j's
+    column holds q-tiles j.. (longest column first)."""
+    tiles = seq_len // block
+    return grid_order([[2 * (tiles - j) for j in range(tiles)]] * batch, heads, section)
+
+
+def sectioned_order(tiles: list[list[int]], heads: int, section: int, leading: int, descending: bool) -> list[int]:
+    """`tiles[b][j]` of every (head, batch) pair (head fastest) in the kernels' order (LeadingSectionedIndex): every
+    pair's first `leading` tiles (tile 0 of each pair, then 1, ...), then sections of `section` pairs, tiles slowest
+    inside each, ascending (the backward's kv-tiles) or `descending` (the forward's q-tiles, last first)."""
+    pairs = [(head, b) for b in range(len(tiles)) for head in range(heads)]
+    count = len(tiles[0])
+    lead = min(leading, count)
+    rest = range(count - 1, lead - 1, -1) if descending else range(lead, count)
+    out = [tiles[b][j] for j in range(lead) for _, b in pairs]
+    for first in range(0, len(pairs), section):
+        for j in rest:
+            out += [tiles[b][j] for _, b in pairs[first:first + section]]
     return out
 
 
 def grid_order(columns: list[list[int]], heads: int, section: int = 2, leading: int = 0) -> list[int]:
-    """Steps of every CTA in launch order: `columns[b][j]`, kv-tile j's steps in batch element b; pairs (head fastest)
-    in sections, kv-tiles slowest inside each, after every pair's first `leading` kv-tiles (kv-tile 0 of each pair,
-    then 1, ...), as the kernel's sectioned grid maps blockIdx."""
-    pairs = [(head, b) for b in range(len(columns)) for head in range(heads)]
-    kv_tiles = len(columns[0])
-    lead = min(leading, kv_tiles)
-    out = [columns[b][j] for j in range(lead) for _, b in pairs]
-    for first in range(0, len(pairs), section):
-        for j in range(lead, kv_tiles):
-            out += [columns[b][j] for _, b in pairs[first:first + section]]
-    return out
+    """Steps of every backward CTA in launch order: `columns[b][j]`, kv-tile j's steps in batch element b."""
+    return sectioned_order(columns, heads, section, leading, descending=False)
 
 
 def forward_order(rows: list[list[int]], heads: int, section: int, leading: int = 0) -> list[int]:
-    """Kv-steps of every forward work tile in the sm90 forward's tile order: every pair's first `leading` q-tiles
-    (q-tile 0 of each pair, then 1, ...), then sections of `section` pairs, last q-tile first inside each."""
-    pairs = [(head, b) for b in range(len(rows)) for head in range(heads)]
-    q_tiles = len(rows[0])
-    lead = min(leading, q_tiles)
-    out = [rows[b][i] for i in range(lead) for _, b in pairs]
-    for first in range(0, len(pairs), section):
-        for i in range(q_tiles - 1, lead - 1, -1):
-            out += [rows[b][i] for _, b in pairs[first:first + section]]
-    return out
+    """Kv-steps of every forward work tile in the sm90 forward's tile order (`rows[b][i]`: q-tile i's)."""
+    return sectioned_order(rows, heads, section, leading, descending=True)
 
 
 def balanced_section(pairs: int, most: int, unit: int = 1) -> int:

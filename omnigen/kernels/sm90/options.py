@@ -113,7 +113,7 @@ class HopperOptions(KernelOptions):
     # tables").
     bits_slot_in_tables: bool = False
     # The backward's producer warpgroup's registers a thread (24, 32 or 40; 0: 24), the consumers taking what is left
-    # (240, 232, 224). With 32 the d64 and d256 kernels have no local memory at all (the producer thread's 8 spilled
+    # in multiples of 8 (240, 232, 232). With 32 the d64 and d256 kernels have no local memory at all (the producer thread's 8 spilled
     # values, reloaded every step, 14 and 17 local accesses in all); d128's consumers need 240. Built, not yet run
     # ("The backward producer's registers").
     backward_producer_registers: int = 0

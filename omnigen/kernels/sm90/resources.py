@@ -54,12 +54,11 @@ OUTPUT_BY_TMA_HEAD_DIMS = (128, 256)
 # accumulator beside dK, dV, the in-flight fragments and the next S^T made ptxas serialise every wgmma, C7512). d128
 # fwd+bwd -3.0..-3.5% (H200, paired: "dQ in turns at d128, in cuDNN's order").
 DQ_IN_TURNS_HEAD_DIMS = (64, 128)
+# The Hopper backward's producer warpgroup's registers a thread (setmaxnreg; the backward_producer_registers option
+# moves them). The consumers take the rest of the pool, the launch's 168 a thread x 384 threads: 128 x 24 + 256 x 240
+# = 64,512 (Resources.hopper_consumer_registers).
 HOPPER_PRODUCER_REGISTERS = 24
-HOPPER_CONSUMER_REGISTERS = 240  # 128 x 24 + 256 x 240 = 64,512
-# The registers setmaxnreg hands back: the launch's 168 a thread x 384 threads, shared by the producer warpgroup and
-# the two consumer warpgroups (the backward_producer_registers option moves them; multiples of 8).
 HOPPER_REGISTER_POOL = 168 * 384
-BACKWARD_PRODUCER_REGISTER_CHOICES = (24, 32, 40)
 
 
 # The FP8 forward's kv-tile when nobody picks one: 192 keys spread each step's fixed costs (barrier waits, the
