@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The twenty-ninth session's options on a GPU host: ~12 minutes in all, so two device calls of at most 10:
-#   STEPS="1 2" OUT=/some/dir bash scripts/check-tile-orders.sh    then    STEPS="3 4" OUT=... bash ...
-# (logs and JSONs under $OUT, default ./check-tile-orders-out; STEPS defaults to all four)
-# 1. their GPU tests (bits_slot_in_tables, leading_kv_tiles, leading_q_tiles / balanced_sections,
-#    backward_producer_registers: against float64 and bit for bit the default modules);
-# 2. balanced_sections, paired forward (d128 and d64, 4K and 8K, causal and Transfusion): on paper -4% at d128 8K;
-# 3. leading_kv_tiles=2 with leading_q_tiles=1 on the windowed masks and causal documents, paired: on paper -16..-21% of
-#    the backward on Longformer and the sliding window with globals;
-# 4. leading_kv_tiles=2 on causal and Transfusion (the streaming phase's cost, which the paper leaves out), and
-#    bits_slot_in_tables=1 at d128, backward_producer_registers=32 at d64, paired.
-# A short summary table is printed last; the exit status is 1 if a step failed. Options and predictions:
-# benchmarks/RESULTS.md, "Twenty-ninth session".
+# The tile orders' defaults on a GPU host (thirtieth session: balanced_sections on, leading_q_tiles / leading_kv_tiles
+# at most 2 and decided from the plan), ~6 minutes in one device call:
+#   mkdir _base && git archive <commit before> omnigen | tar -x -C _base      (the old tree, carried untracked)
+#   OUT=/some/dir bash scripts/check-tile-orders.sh                            (STEPS: a subset of "1 2 3 4")
+# 1. the GPU tests of the tile-order options (at most 0, 1, 3 leading lines and balanced_sections off against the
+#    defaults, bit for bit; attention sinks, whose first lines lead, and Transfusion, whose do not);
+# 2. the leading lines on the windowed masks with global tokens, the defaults against leading_kv_tiles=0
+#    leading_q_tiles=0, paired (no other catalogue mask leads: tests/test_sm90_grid_order.py and RESULTS.md);
+# 3. the old tree (_base) against this one on causal and Transfusion, paired: balanced_sections' forward gain and the
+#    cost of reading the plan's first lines at each CTA's start (none lead there);
+# 4. omnigen bench --mask on the two windowed masks, FlexAttention in the same process.
+# A short summary table is printed last; the exit status is 1 if a step failed. Predictions and results:
+# benchmarks/RESULTS.md, "Thirtieth session: the tile-order options, run".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-check-tile-orders-out}"
@@ -25,47 +26,42 @@ source scripts/check_steps.sh  # record, elapsed, print_summary
   git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$out/environment.log"
 
 if want 1; then
-echo "== 1. GPU tests of the options"
+echo "== 1. GPU tests of the tile-order options"
 t=$(date +%s)
 timeout 240 python3 -m pytest -q -n 12 -m gpu -p no:cacheprovider -W ignore tests/test_kernel_backward_gpu.py \
-  tests/test_kernel_forward_gpu.py -k "bits_slot_in_tables or leading_kv_tiles or tile_order_options or producer_registers" \
-  > "$out/tests.log" 2>&1
-rc=$?; tail -8 "$out/tests.log"; record tests $rc "$(tail -1 "$out/tests.log" | tr -d '=' | xargs) $(elapsed $t)"
+  tests/test_kernel_forward_gpu.py -k "leading_kv_tiles or tile_order_options" > "$out/tests.log" 2>&1
+rc=$?; tail -6 "$out/tests.log"; record tests $rc "$(tail -1 "$out/tests.log" | tr -d '=' | xargs) $(elapsed $t)"
 fi
 
 if want 2; then
-echo "== 2. balanced_sections, forward, paired"
+echo "== 2. leading lines on the windowed masks: the defaults (as old) against none (as new), paired"
 t=$(date +%s)
-timeout 150 python3 scripts/ab_trees.py . --paired 8 --new-options balanced_sections=1 --cache "$OMNIGEN_CACHE_DIR/ab" \
-  --json "$out/balanced_sections.json" -- --tiles 128x128w12 --dims 128 64 --sizes 4096 8192 \
-  --rules causal transfusion --passes forward > "$out/balanced_sections.log" 2>&1
-rc=$?; tail -10 "$out/balanced_sections.log"; record balanced_sections $rc "$(elapsed $t)"
+timeout 150 python3 scripts/bench_mask_options.py --masks global_sliding_window longformer --dims 128 64 \
+  --sizes 8192 32768 --options leading_kv_tiles=0 leading_q_tiles=0 --alternations 6 \
+  --json "$out/leading_masks.json" > "$out/leading_masks.log" 2>&1
+rc=$?; tail -17 "$out/leading_masks.log"; record leading_masks $rc "$(elapsed $t)"
 fi
 
 if want 3; then
-echo "== 3. leading kv-tiles and q-tiles on the windowed masks, paired"
+echo "== 3. the old tree against this one, causal and Transfusion, paired"
 t=$(date +%s)
-timeout 180 python3 scripts/bench_mask_options.py --masks global_sliding_window longformer causal_documents \
-  --dims 128 --sizes 8192 32768 --options leading_kv_tiles=2 leading_q_tiles=1 --alternations 6 \
-  --json "$out/leading_masks.json" > "$out/leading_masks.log" 2>&1
-rc=$?; tail -13 "$out/leading_masks.log"; record leading_masks $rc "$(elapsed $t)"
+if [ -d _base/omnigen ]; then
+  timeout 200 python3 scripts/ab_trees.py _base --paired 6 --cache "$OMNIGEN_CACHE_DIR/ab" --json "$out/trees.json" \
+    -- --tiles 128x128w12 --dims 128 64 --sizes 8192 32768 --rules causal transfusion --passes forward fwd+bwd \
+    > "$out/trees.log" 2>&1
+  rc=$?
+else
+  echo "no _base/omnigen: make the old tree first (see the top of this script)" > "$out/trees.log"; rc=2
+fi
+tail -19 "$out/trees.log"; record old_tree $rc "$(elapsed $t)"
 fi
 
 if want 4; then
-echo "== 4. leading_kv_tiles=2 and bits_slot_in_tables=1 on causal and Transfusion, paired"
+echo "== 4. omnigen bench --mask, the windowed masks with FlexAttention"
 t=$(date +%s)
-timeout 100 python3 scripts/ab_trees.py . --paired 6 --new-options leading_kv_tiles=2 --cache "$OMNIGEN_CACHE_DIR/ab" \
-  --json "$out/leading_kv_tiles.json" -- --tiles 128x128w12 --dims 128 --sizes 8192 32768 \
-  --rules causal transfusion --passes fwd+bwd > "$out/leading_kv_tiles.log" 2>&1
-rc=$?; tail -8 "$out/leading_kv_tiles.log"; record leading_kv_tiles $rc "$(elapsed $t)"
-timeout 100 python3 scripts/ab_trees.py . --paired 6 --new-options bits_slot_in_tables=1 --cache "$OMNIGEN_CACHE_DIR/ab" \
-  --json "$out/bits_slot_in_tables.json" -- --tiles 128x128w12 --dims 128 --sizes 8192 32768 \
-  --rules transfusion --passes fwd+bwd > "$out/bits_slot_in_tables.log" 2>&1
-rc=$?; tail -6 "$out/bits_slot_in_tables.log"; record bits_slot_in_tables $rc "$(elapsed $t)"
-timeout 100 python3 scripts/ab_trees.py . --paired 6 --new-options backward_producer_registers=32 \
-  --cache "$OMNIGEN_CACHE_DIR/ab" --json "$out/producer_registers.json" -- --tiles 128x128w12 --dims 64 \
-  --sizes 8192 32768 --rules causal transfusion --passes fwd+bwd > "$out/producer_registers.log" 2>&1
-rc=$?; tail -6 "$out/producer_registers.log"; record producer_registers $rc "$(elapsed $t)"
+timeout 200 python3 -m omnigen bench --mask global_sliding_window,longformer --dims 128,64 --sizes 8192,32768 \
+  --json "$out/masks_windowed.json" > "$out/masks_windowed.log" 2>&1
+rc=$?; tail -14 "$out/masks_windowed.log"; record masks_vs_flex $rc "$(elapsed $t)"
 fi
 
 echo

@@ -21,6 +21,17 @@ MIXED = omnigen.Rules(
     see={"default": "earlier", "image -> image": "none", "text -> audio": "all"},
     documents="shared",
 )
+# Attention sinks: a sink segment at the start that every text chunk sees and that sees every chunk, chunks that do
+# not see each other; its kv-tiles' columns and q-tiles' rows run the whole sequence, the others' one chunk (global
+# tokens, as Longformer's): the plan's first lines lead the sm90 tile orders (leading_lines).
+SINKS = omnigen.Rules(
+    name="gpu_sinks",
+    modalities={"sink": {"self": "full"}, "text": {"self": "causal"}},
+    see={"default": "earlier", "text -> text": "none", "sink -> text": "all"},
+)
+# Layouts of SINKS whose first two q-tile rows and kv-tile columns lead (tests/test_sm90_grid_order.py checks it)
+SINK_LAYOUTS_4096 = ["sink:256" + " text:256" * 15, "sink:200 text:300" + " text:256" * 13 + " text:268"]
+SINK_LAYOUTS_8192 = ["sink:256" + " text:256" * 31, "sink:200 text:300" + " text:256" * 29 + " text:268"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,3 +60,17 @@ class PlanWithBits:
 
     def __getattr__(self, name: str):
         return getattr(self._plan, name)
+
+
+def leading_lines(ptr: torch.Tensor, lines: int, most: int) -> int:
+    """The kernels' leading_lines (the sm90 shared header) on a plan's CSR pointers, for the tests to know which of
+    their cases lead: lines of the first sequence, each with every line before it at least 4x the mean line."""
+    ptr = ptr.cpu().long()
+    lines_in_all = (ptr.numel() - 1) // 3
+    all_tiles, lead = int(ptr[-1]), 0
+    for i in range(min(most, lines)):
+        tiles = int(ptr[3 * i + 3] - ptr[3 * i])
+        if tiles == 0 or tiles * lines_in_all < 4 * all_tiles:
+            break
+        lead += 1
+    return lead

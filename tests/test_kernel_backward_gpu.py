@@ -41,7 +41,8 @@ from omnigen.jit.toolchain import kernel_log_text, visible_gpu_arch
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HAS_NVCC = shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc") or bool(os.environ.get("CUDA_HOME"))
 
-from kernel_cases import DTYPES, MIXED, TRANSFUSION, PlanWithBits, with_options  # shared with the other kernel test file
+from kernel_cases import (DTYPES, MIXED, SINK_LAYOUTS_4096, SINKS, TRANSFUSION, PlanWithBits,  # shared with the
+                          with_options)  # other kernel test file
 ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 SHORT_SEGMENTS = " ".join(
@@ -629,19 +630,20 @@ def _check_option_as_default(case, head_dim: int, options: dict, bits: str | Non
         assert torch.equal(a, b), f"{label}: {options} changed the deterministic gradients"
 
 
-# ---- the sectioned grids starting with every pair's first kv-tiles (the leading_kv_tiles option, off by default):
-# columns of 16-32 kv-tiles over 8-16 (head, batch) pairs, so that the leading kv-tiles, the sections after them and a
-# ragged last section all occur; an image at the start that every later token sees (its kv-tiles' columns run the
-# whole sequence, as global tokens' do) and plain text. Atomic order against float64; deterministic mode against
-# float64 and bit for bit the default module's (its dQ order is the kv-tiles' rank, not the launch order).
+# ---- the sectioned grids starting with every pair's first kv-tiles where the plan's first columns are long (the
+# leading_kv_tiles option, at most 2 by default): columns of 32 kv-tiles over 8-16 (head, batch) pairs, so that the
+# leading kv-tiles, the sections after them and a ragged last section all occur; attention sinks (two leading
+# columns) and plain text (none lead). At most 0, 1 and 3 against the default: atomic order against float64;
+# deterministic mode against float64 and bit for bit the default module's (its dQ order is the kv-tiles' rank, not
+# the launch order).
 
 LEADING_CASES = [
-    ("global_image_2048", TRANSFUSION, ["image:100 text:1948", "text:900 image:300@1 text:848@1"], 4, 2),
+    ("sinks_4096", SINKS, SINK_LAYOUTS_4096, 4, 2),
     ("text_4096", TRANSFUSION, ["text:4096"], 3, 3),
 ]
 
 
-@pytest.mark.parametrize("leading", [1, 2, 3])
+@pytest.mark.parametrize("leading", [0, 1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", LEADING_CASES, ids=lambda c: c[0])
 @pytest.mark.gpu

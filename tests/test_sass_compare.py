@@ -54,10 +54,10 @@ def test_a_variant_may_name_the_familys_options():
 
     script = _script()
     modules = (codegen, toolchain, kernels, rules_module)
-    chosen = script.variants(modules, "none", ["transfusion:bf16:128:128x128x12x2:sm_90a:leading_kv_tiles=2,"
+    chosen = script.variants(modules, "none", ["transfusion:bf16:128:128x128x12x2:sm_90a:leading_kv_tiles=1,"
                                                "bits_slot_in_tables=1", "transfusion:bf16:64:128x64x4x2:sm_80"])
     (_, hopper), (_, ampere) = chosen
-    assert hopper.options.leading_kv_tiles == 2 and hopper.options.bits_slot_in_tables is True
-    assert hopper.label.endswith("leading_kv_tiles2_bits_slot_in_tables1") and ampere.options is None
+    assert hopper.options.leading_kv_tiles == 1 and hopper.options.bits_slot_in_tables is True
+    assert hopper.label.endswith("leading_kv_tiles1_bits_slot_in_tables1") and ampere.options is None
     with pytest.raises(SystemExit, match="HopperOptions fields"):
         script.variants(modules, "none", ["transfusion:bf16:128:128x128x12x2:sm_90a:no_such_option=1"])

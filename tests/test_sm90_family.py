@@ -39,10 +39,10 @@ def test_options_are_part_of_the_variant():
                for p in kernels.problems(hopper(128, atomic_section_pairs=-1)))
     assert any("backward_stages" in p for p in kernels.backward_problems(hopper(128, backward_stages=1)))
     assert any("leading_q_tiles must be an integer >= 0" in p for p in kernels.problems(hopper(128, leading_q_tiles=-1)))
-    assert any("sectioned grids" in p for p in kernels.problems(
-        hopper(128, leading_kv_tiles=2, atomic_section_pairs=0, ordered_section_pairs=0)))
-    assert not kernels.problems(hopper(128, leading_kv_tiles=2, leading_q_tiles=1, balanced_sections=True,
+    assert any("leading_kv_tiles must be an integer >= 0" in p for p in kernels.problems(hopper(128, leading_kv_tiles=1.5)))
+    assert not kernels.problems(hopper(128, leading_kv_tiles=0, leading_q_tiles=1, balanced_sections=False,
                                        bits_slot_in_tables=True))
+    assert not kernels.problems(hopper(64, atomic_section_pairs=0, ordered_section_pairs=0))  # leading: no effect there
 
 
 def test_sm_90a_is_served_by_sm90_with_sm80_as_fallback():

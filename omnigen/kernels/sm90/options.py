@@ -42,19 +42,20 @@ class HopperOptions(KernelOptions):
     # +0.2..+1.7%); 2: wherever a staging buffer fits beside Q and the K/V ring (d64 too; not with 3 stages at
     # d128); 0 (False): never, every thread stores its pairs of O.
     output_by_tma: int = 1
-    # The tile order starts with every (head, batch) pair's first this many q-tiles (q-tile 0 of every pair, then 1,
-    # ...), then the sections over the rest, last q-tile first; 0: sections only. Why: global queries at the start
+    # The tile order starts with every (head, batch) pair's first q-tiles (q-tile 0 of every pair, then 1, ...) where
+    # the plan's first rows are long, at most this many, then the sections over the rest, last q-tile first; 0:
+    # sections only. A row leads if it and the rows before it visit at least 4x the mean row's tiles (read in the
+    # kernel from the plan, so causal and document masks keep the plain order). Why: global queries at the start
     # (Longformer's) make q-tile 0's row as long as the sequence, and each section took it last, so the last
-    # section's ran alone at the end (on paper -17% / -27% of Longformer's forward at 8K / 32K with 1, within
-    # 0.3% on the other masks: "The forward's last section, and Longformer's global queries"). Built, not yet run.
-    leading_q_tiles: int = 0
+    # section's ran alone at the end: Longformer's forward -15% / -25% at 8K / 32K with 1 (H200, on paper -17% /
+    # -27%), within 1% on the others ("Thirtieth session: the tile-order options, run").
+    leading_q_tiles: int = 2
     # The tile order's sections (as many pairs as keep K and V in 5/8 of L2) sized between half that and all of it so
     # that the last section holds the most pairs: 64 pairs in sections of 7 left one pair for last, whose longest rows
-    # (64 kv-steps at 8K) started when little else was left and ran alone at the end. On paper the d128 forward on
-    # the causal mask -4.0% / -4.1% at 8K (H100 / H200 L2), -3.3% at 4K on the H200, Transfusion -2.7..-3.4%, d256
-    # -3.7..-3.9% at 4K-8K; nothing where the sections already divide the pairs: "The forward's last section". Built,
-    # not yet run.
-    balanced_sections: bool = False
+    # (64 kv-steps at 8K) started when little else was left and ran alone at the end. The d128 forward on the causal
+    # mask -3.7% / -3.8% at 4K / 8K, Transfusion -2.1%, d64 -0.1..-1.0% (H200; on paper -3.3% / -4.1%); nothing
+    # where the sections already divide the pairs ("Thirtieth session: the tile-order options, run").
+    balanced_sections: bool = True
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
@@ -98,14 +99,17 @@ class HopperOptions(KernelOptions):
     # next step while the other computes and stages dQ. No effect at d256 or without the writer warp ("dQ in turns
     # at d64"; "dQ in turns at d128, in cuDNN's order").
     dq_in_turns: bool = True
-    # The sectioned grids (atomic and deterministic order) start with the first this many kv-tiles of every (head,
-    # batch) pair, all pairs' kv-tile 0 first, then the sections over the remaining kv-tiles; 0: sections only.
-    # Why: a mask with global tokens at the start (Longformer, a sliding window with globals, attention sinks) gives
-    # each pair one or two kv-tile columns as long as the sequence among short window columns, and the last section's
-    # long columns, started last, ran alone at the end (on paper -16..-21% of the backward with 2 at 8K and 32K,
-    # within +0.4% elsewhere: "The backward grid's tail"). Lower kv-tiles of a head still start before higher ones,
-    # which deterministic mode's waits rely on. Built, not yet run.
-    leading_kv_tiles: int = 0
+    # The sectioned grids (atomic and deterministic order) start with the first kv-tiles of every (head, batch) pair
+    # where the plan's first columns are long, at most this many (all pairs' kv-tile 0 first, then 1), then the
+    # sections over the remaining kv-tiles; 0: sections only. A column leads if it and the columns before it visit
+    # at least 4x the mean column's tiles (read in the kernel from the plan). Why: a mask with global tokens at the
+    # start (Longformer, a sliding window with globals, attention sinks) gives each pair one or two kv-tile columns
+    # as long as the sequence among short window columns, and the last section's long columns, started last, ran
+    # alone at the end: with the forward's leading q-tiles, forward+backward -11% / -13% on the sliding window with
+    # globals and -11% / -15% on Longformer at 8K / 32K (H200, d128). Leading causal and Transfusion's first columns,
+    # which are only twice the mean, cost +1.8..2.8% at 8K, hence the test. Lower kv-tiles of a head still start
+    # before higher ones, which deterministic mode's waits rely on. No effect on the 3-D grids (section pairs 0).
+    leading_kv_tiles: int = 2
     # A partial step's slot of the mask's bits handed to the consumers in the stage's row tables (the producer
     # writes it beside lse and Delta) instead of each consumer computing it from the schedule: at d128 ptxas kept
     # that schedule value on the stack and reloaded it every partial step (one LDL in the step loop); the producer
@@ -139,7 +143,4 @@ class HopperOptions(KernelOptions):
         if self.backward_producer_registers not in (0, 24, 32, 40) or isinstance(self.backward_producer_registers, bool):
             out.append(f"option backward_producer_registers must be 24, 32 or 40 (0: 24), not "
                        f"{self.backward_producer_registers!r}")
-        if self.leading_kv_tiles and not (self.atomic_section_pairs or self.ordered_section_pairs):
-            out.append("option leading_kv_tiles orders the backward's sectioned grids: with atomic_section_pairs and "
-                       "ordered_section_pairs both 0 there is none (set one, or leading_kv_tiles=0)")
         return out
