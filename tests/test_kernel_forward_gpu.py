@@ -259,36 +259,6 @@ def test_sm90_forward_output_by_tma_gives_the_stores_bits(head_dim, dtype, persi
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
 
 
-# ---- the tile order's options: every pair's first q-tiles first where the plan's first rows are long
-# (leading_q_tiles, at most 2 by default), sections sized so that the last one is not a sliver (balanced_sections, on).
-# Which CTA takes a work tile changes, what the tile computes does not, so the output is the default module's bit for
-# bit; the many-tile layouts (8K tokens, 2 x 16 heads: more tiles than SMs, several sections), both grids, and
-# attention sinks, whose first two rows lead.
-
-
-@pytest.mark.parametrize("head_dim,persistent,options", [
-    (128, True, {"leading_q_tiles": 0}), (128, False, {"leading_q_tiles": 1}), (128, True, {"leading_q_tiles": 3}),
-    (64, True, {"leading_q_tiles": 1}), (256, True, {"leading_q_tiles": 0}), (256, False, {"leading_q_tiles": 3}),
-    (128, True, {"balanced_sections": False}), (128, False, {"balanced_sections": False}),
-    (64, True, {"balanced_sections": False, "leading_q_tiles": 0}),
-], ids=["d128-lead0", "d128-grid-lead1", "d128-lead3", "d64-lead1", "d256-lead0", "d256-grid-lead3", "d128-unbalanced",
-        "d128-grid-unbalanced", "d64-unbalanced-lead0"])
-@pytest.mark.parametrize("rules,layout_texts", [(TRANSFUSION, PERSISTENT_LAYOUTS), (SINKS, SINK_LAYOUTS_8192)],
-                         ids=["transfusion", "sinks"])
-def test_sm90_forward_tile_order_options_give_the_default_bits(head_dim, persistent, options, rules, layout_texts):
-    if "sm90" not in FAMILY_NAMES:
-        pytest.skip("the sm90 family runs on Hopper only")
-    config = _config(head_dim, "bf16", "sm90")
-    default = cache.get_module(rules, with_options(config, persistent=persistent))
-    ordered = cache.get_module(rules, with_options(config, persistent=persistent, **options))
-    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in layout_texts])
-    q, k, v = _inputs(2, 16, 4, layout.seq_len, head_dim, torch.bfloat16, strided=True)
-    out, lse = run_forward(ordered, rules, layout, q, k, v)
-    expected, expected_lse = run_forward(default, rules, layout, q, k, v)
-    assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
-    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
-
-
 def test_forward_rejects_bad_arguments():
     module = _module(TRANSFUSION, 128, "bf16")
     q, k, v = _inputs(1, 2, 2, 64, 128, torch.bfloat16, strided=False)
@@ -434,3 +404,33 @@ def test_sm90_persistent_forward_fewer_tiles_than_sms(case, persistent_variants)
     q, k, v = _inputs(len(layouts), Hq, Hkv, layouts[0].seq_len, 128, torch.bfloat16, strided=(name == "pad_and_docs"))
     out, lse = run_forward(module, named, layout, q, k, v)
     _check_sliced(named, layout, q, k, v, out, lse, "bf16")
+
+
+# ---- the tile order's options: every pair's first q-tiles first where the plan's first rows are long
+# (leading_q_tiles, at most 2 by default), sections sized so that the last one is not a sliver (balanced_sections, on).
+# Which CTA takes a work tile changes, what the tile computes does not, so the output is the default module's bit for
+# bit; the many-tile layouts (8K tokens, 2 x 16 heads: more tiles than SMs, several sections), both grids, and
+# attention sinks, whose first two rows lead.
+
+
+@pytest.mark.parametrize("head_dim,persistent,options", [
+    (128, True, {"leading_q_tiles": 0}), (128, False, {"leading_q_tiles": 1}), (128, True, {"leading_q_tiles": 3}),
+    (64, True, {"leading_q_tiles": 1}), (256, True, {"leading_q_tiles": 0}), (256, False, {"leading_q_tiles": 3}),
+    (128, True, {"balanced_sections": False}), (128, False, {"balanced_sections": False}),
+    (64, True, {"balanced_sections": False, "leading_q_tiles": 0}),
+], ids=["d128-lead0", "d128-grid-lead1", "d128-lead3", "d64-lead1", "d256-lead0", "d256-grid-lead3", "d128-unbalanced",
+        "d128-grid-unbalanced", "d64-unbalanced-lead0"])
+@pytest.mark.parametrize("rules,layout_texts", [(TRANSFUSION, PERSISTENT_LAYOUTS), (SINKS, SINK_LAYOUTS_8192)],
+                         ids=["transfusion", "sinks"])
+def test_sm90_forward_tile_order_options_give_the_default_bits(head_dim, persistent, options, rules, layout_texts):
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    config = _config(head_dim, "bf16", "sm90")
+    default = cache.get_module(rules, with_options(config, persistent=persistent))
+    ordered = cache.get_module(rules, with_options(config, persistent=persistent, **options))
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in layout_texts])
+    q, k, v = _inputs(2, 16, 4, layout.seq_len, head_dim, torch.bfloat16, strided=True)
+    out, lse = run_forward(ordered, rules, layout, q, k, v)
+    expected, expected_lse = run_forward(default, rules, layout, q, k, v)
+    assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
