@@ -47,8 +47,10 @@ class HopperOptions(KernelOptions):
     # sections only. A row leads if it and the rows before it visit at least 4x the mean row's tiles (read in the
     # kernel from the plan, so causal and document masks keep the plain order). Why: global queries at the start
     # (Longformer's) make q-tile 0's row as long as the sequence, and each section took it last, so the last
-    # section's ran alone at the end: Longformer's forward -15% / -25% at 8K / 32K with 1 (H200, on paper -17% /
-    # -27%), within 1% on the others ("Thirtieth session: the tile-order options, run").
+    # section's ran alone at the end: Longformer's forward -19..-32% at 8K / 32K, d64 and d128 (H200, on paper -17% /
+    # -27%). Where nothing leads, the producer's per-tile mapping cost ~1.5% of the d64 forward (within 0.5% at
+    # d128); it now maps with the plain order's arithmetic then, not yet timed ("Thirtieth session: the tile-order
+    # options, run").
     leading_q_tiles: int = 2
     # The tile order's sections (as many pairs as keep K and V in 5/8 of L2) sized between half that and all of it so
     # that the last section holds the most pairs: 64 pairs in sections of 7 left one pair for last, whose longest rows
@@ -113,13 +115,14 @@ class HopperOptions(KernelOptions):
     # A partial step's slot of the mask's bits handed to the consumers in the stage's row tables (the producer
     # writes it beside lse and Delta) instead of each consumer computing it from the schedule: at d128 ptxas kept
     # that schedule value on the stack and reloaded it every partial step (one LDL in the step loop); the producer
-    # pays two more of its own a step instead. Built, not yet run ("A partial step's bits slot in the stage's
-    # tables").
+    # pays two more of its own a step instead. Off: Transfusion fwd+bwd +2.0% at 8K, -1.7% at 32K on an H200 ("A
+    # partial step's bits slot in the stage's tables"; "Thirtieth session: the tile-order options, run").
     bits_slot_in_tables: bool = False
     # The backward's producer warpgroup's registers a thread (24, 32 or 40; 0: 24), the consumers taking what is left
     # in multiples of 8 (240, 232, 232). With 32 the d64 and d256 kernels have no local memory at all (the producer thread's 8 spilled
-    # values, reloaded every step, 14 and 17 local accesses in all); d128's consumers need 240. Built, not yet run
-    # ("The backward producer's registers").
+    # values, reloaded every step, 14 and 17 local accesses in all); d128's consumers need 240. Off: at d64 fwd+bwd
+    # within -0.6..+0.7% on an H200, the reloads were off the critical path ("The backward producer's registers";
+    # "Thirtieth session: the tile-order options, run").
     backward_producer_registers: int = 0
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
