@@ -5,7 +5,10 @@
 # Steps: tests plan build attention tune (default: all), and context (context parallelism on every visible GPU:
 # the multi-GPU tests, then scripts/bench_context_parallel.py on 2 GPUs at 128K and on 4 at 256K where there are
 # 4; CP2_ARGS and CP4_ARGS replace each one's methods and repetitions, CP_ARGS adds arguments to both).
-# ATTENTION_ARGS overrides the attention sizes.
+# ATTENTION_ARGS overrides the attention sizes. TESTS_PART=1, 2 or 3 runs a third of the gpu tests (1: the backward
+# kernels' file, 2: the forward kernels', 3: every other file), for a cold kernel cache, where the whole suite's builds
+# and runs take longer than one call of the device tool (the thirtieth session's ran past 420 s at 97%); the tests
+# run in PYTEST_WORKERS processes (default 12) where pytest-xdist is installed.
 # Runs from the source tree (no install needed): PYTHONPATH=. and a private kernel cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +28,17 @@ git log -1 --format='commit %h %s' 2>/dev/null || true
 
 if want tests; then
 echo "== gpu tests"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests.log" | tail -25 || status=1
+kernel_tests="tests/test_kernel_backward_gpu.py tests/test_kernel_forward_gpu.py"
+case "${TESTS_PART:-}" in
+  "") test_paths=(tests) ;;
+  1) test_paths=(tests/test_kernel_backward_gpu.py) ;;
+  2) test_paths=(tests/test_kernel_forward_gpu.py) ;;
+  3) test_paths=(tests); for f in $kernel_tests; do test_paths+=(--ignore "$f"); done ;;
+  *) echo "TESTS_PART must be 1, 2 or 3, not $TESTS_PART" >&2; exit 2 ;;
+esac
+workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-12}")  # pytest-xdist where present
+python3 -m pytest -q -m gpu "${workers[@]}" -p no:cacheprovider "${test_paths[@]}" 2>&1 \
+  | tee "$out/gpu-tests.log" | tail -25 || status=1
 grep -qE "[0-9]+ failed|error" "$out/gpu-tests.log" && status=1
 fi
 
