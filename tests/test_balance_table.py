@@ -4,25 +4,18 @@ work max/mean is no worse than the even split's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from script_modules import load_script
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("balance_table", ROOT / "scripts" / "balance_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("rules_name", ["causal_documents", "transfusion"])
 def test_small_table(rules_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    script = _script()
+    script = load_script("balance_table")
     out = tmp_path / "rows.json"
     rows = script.main(["--tokens", "16384", "--ranks", "2", "4", "--rules", f"examples/rules/{rules_name}.yaml",
                         "--json", str(out)])
@@ -56,6 +49,6 @@ def test_small_table(rules_name: str, tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_too_many_ranks_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        _script().main(["--tokens", "256", "--ranks", "64", "--rules", "examples/rules/causal_documents.yaml"])
+        load_script("balance_table").main(["--tokens", "256", "--ranks", "64", "--rules", "examples/rules/causal_documents.yaml"])
     assert exc.value.code == 2
     assert "too short for 64 ranks" in capsys.readouterr().err

@@ -14,8 +14,6 @@ the same loss and gradients run in token order with the original mask and in the
 from __future__ import annotations
 
 import importlib
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,10 +25,10 @@ import omnigen
 from omnigen.mask_catalogue import NAMES, catalogue_mask
 from omnigen.plan.reorder import (ReorderCosts, components, keyset_order, permute_tokens, reverse_cuthill_mckee,
                                    segment_order, take_tokens)
+from script_modules import load_script
 from strategies import layouts as layout_strategy
 from strategies import rules as rules_strategy
 
-ROOT = Path(__file__).resolve().parent.parent
 TILES = [(32, 32), (32, 64)]
 # Gathers priced at almost nothing: at these small S the default GPU model (fixed launch costs) declines everything,
 # which would hide whether the plan itself wins.
@@ -306,10 +304,7 @@ def test_the_catalogue_masks_are_declined(name):
 
 
 def _bench_masks():
-    spec = importlib.util.spec_from_file_location("bench_reorder", ROOT / "scripts" / "bench_reorder.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.MASKS
+    return load_script("bench_reorder").MASKS
 
 
 @pytest.mark.slow

@@ -3,17 +3,9 @@ from address 0, 16 bytes each, as the script normalises cuobjdump's SASS)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sass_compare.py"
+from script_modules import load_script
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("sass_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 LISTING = [
@@ -35,12 +27,12 @@ LISTING = [
 
 
 def test_only_local_memory_in_innermost_loops_with_products_counts():
-    total, in_step_loops = _script().step_loop_local_memory(LISTING)
+    total, in_step_loops = load_script("sass_compare").step_loop_local_memory(LISTING)
     assert (total, in_step_loops) == (4, 1)
 
 
 def test_a_listing_without_loops_has_no_step_loop_local_memory():
-    assert _script().step_loop_local_memory(["LDL R1, [R1]", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "EXIT"]) == (1, 0)
+    assert load_script("sass_compare").step_loop_local_memory(["LDL R1, [R1]", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "EXIT"]) == (1, 0)
 
 
 def test_a_variant_may_name_the_familys_options():
@@ -52,7 +44,7 @@ def test_a_variant_may_name_the_familys_options():
     from omnigen.jit import codegen, toolchain
     from omnigen import rules as rules_module
 
-    script = _script()
+    script = load_script("sass_compare")
     modules = (codegen, toolchain, kernels, rules_module)
     chosen = script.variants(modules, "none", ["transfusion:bf16:128:128x128x12x2:sm_90a:leading_kv_tiles=1,"
                                                "bits_slot_in_tables=1", "transfusion:bf16:64:128x64x4x2:sm_80"])

@@ -4,21 +4,13 @@ plans, on small cases worked by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_backward_grid.py"
+from script_modules import load_script
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("simulate_backward_grid", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_orders_place_every_tile_once_and_the_lead_first():
-    sim = _script()
+    sim = load_script("simulate_backward_grid")
     columns = [[10, 20, 30], [40, 50, 60]]  # two batch elements, three kv-tiles each (distinct lengths)
     plain = sim.grid_order(columns, heads=2, section=2)
     # pairs (head fastest): (h0,b0), (h1,b0) form the first section, (h0,b1), (h1,b1) the second; kv-tiles slowest
@@ -32,14 +24,14 @@ def test_the_orders_place_every_tile_once_and_the_lead_first():
 
 
 def test_makespans():
-    sim = _script()
+    sim = load_script("simulate_backward_grid")
     assert sim.next_free([4, 1, 1, 1, 1], sms=2) == 4
     assert sim.next_free([1, 1, 1, 1, 4], sms=2) == 6  # the long tile started last runs alone
     assert sim.round_robin([4, 1, 1, 1, 1], sms=2) == 6
 
 
 def test_balanced_section_keeps_the_last_section_large():
-    sim = _script()
+    sim = load_script("simulate_backward_grid")
     assert sim.balanced_section(64, 7) == 6  # 7 leaves 1 pair for last; 6, 5 and 4 leave 4: the larger, 6
     assert sim.balanced_section(64, 9) == 8  # 8 divides 64
     assert sim.balanced_section(64, 14) == 13  # 14 leaves 8, 13 leaves 12
@@ -50,7 +42,7 @@ def test_balanced_section_keeps_the_last_section_large():
 def test_columns_of_the_causal_mask():
     """At S = 512 (four 128-key kv-tiles) kv-tile j's backward column holds q-tiles j..3, two 64-row steps each; the
     forward's rows hold kv-tiles 0..i."""
-    sim = _script()
+    sim = load_script("simulate_backward_grid")
     assert sim.mask_columns("causal", 1, 512) == [[8, 6, 4, 2]]
     assert sim.mask_columns("causal", 1, 512, forward=True) == [[1, 2, 3, 4]]
     assert sim.mask_columns("causal", 1, 512, block_n=64) == [[8, 8, 6, 6, 4, 4, 2, 2]]
