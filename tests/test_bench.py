@@ -18,6 +18,7 @@ from omnigen.cli import cli
 from strategies import layouts, rules
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "rules"
+BENCH_RULES = Path(__file__).resolve().parents[1] / "benchmarks" / "rules"
 
 
 def test_bench_without_a_gpu_says_so_in_one_line_and_exits_2(monkeypatch):
@@ -64,6 +65,19 @@ def test_workloads_and_steps():
     user = [omnigen.Layout.parse("text:100 image:256"), omnigen.Layout.parse("image:256 text:90")]
     work = bench.workloads(r, dims=(64,), tokens=1024, layouts=user)
     assert len(work) == 1 and work[0].seq_len == 356 and work[0].batch == 2
+
+
+def test_the_benchmarks_causal_rules_are_the_plain_causal_mask_on_the_bench_layouts():
+    """What issue 30's figures against cuDNN causal time: k <= q over the whole row, whatever documents the bench's
+    synthetic layouts hold (a rules file that isolates documents would time a cheaper mask than cuDNN's)."""
+    from omnigen.semantics import dense_mask
+
+    r = omnigen.Rules.load(BENCH_RULES / "causal.yaml")
+    work = bench.workloads(r, dims=(64,), sizes=(512,), tokens=2048)[0]
+    assert work.batch == 4 and any(len(layout.segments) > 1 for layout in work.layouts)
+    causal = torch.ones(512, 512, dtype=torch.bool).tril()
+    for layout in work.layouts:
+        assert torch.equal(dense_mask(r, layout).cpu(), causal)
 
 
 def test_table_lists_rows_and_what_was_skipped_and_why():
