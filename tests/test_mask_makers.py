@@ -400,6 +400,7 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
     real_compile = torch.compile
 
     def counting_compile(fn, **kwargs):
+        assert kwargs == {"dynamic": False}  # static kernels: a dynamic one divides by run-time sizes per element
         inner = real_compile(fn, backend="eager")
 
         def call(mod, *index):
@@ -408,6 +409,7 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
         return call
 
     monkeypatch.setattr(from_mod, "_COMPILED", {})  # evaluators made with this test's compile stay with it
+    monkeypatch.setattr(from_mod, "_NOT_COMPILED", set())
     monkeypatch.setattr(torch, "compile", counting_compile)
     for name in ("causal_documents", "medusa_tree", "random_eviction"):
         made = catalogue_mask(name, 2, 300, seed=5)
@@ -417,10 +419,14 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
         assert any(shape[-1] == 300 for shape in compiled_calls)  # slabs: every key
         compiled_calls.clear()
         _same(compiled, eager)
-    assert len(from_mod._COMPILED) == 3  # one evaluator per mod code: closures remade per call share it
+    # one evaluator per mod code and shape of the index tensors: closures remade per call share them
+    evaluators = dict(from_mod._COMPILED)
+    assert {code for code, _ in evaluators} == {catalogue_mask(name, 2, 300).mask_mod.__code__
+                                                for name in ("causal_documents", "medusa_tree", "random_eviction")}
+    assert all(shapes[1][1] >= 1 and shapes[2][-1] <= 300 for _, shapes in evaluators)  # (b, q, kv) shapes
     omnigen.mask_from_mod(catalogue_mask("medusa_tree", 2, 300, seed=6).mask_mod, 2, 300, "cpu", tiles=TILES,
                           compile_mod=True)
-    assert len(from_mod._COMPILED) == 3
+    assert from_mod._COMPILED == evaluators
 
     attempts = []
 

@@ -14,8 +14,9 @@ with two heads (a dependence the sample misses goes unnoticed: the mask is made 
 On a GPU the mod goes through `torch.compile` (compile_mod=None: on CUDA): Inductor fuses its operations into one
 kernel that writes a slab's booleans, where eagerly each operation writes a whole slab of int64 temporaries (a
 sliding window's five operations took ~3 ms of a 4.8 ms mask at 8K x 4 on an H100; RESULTS.md). FlexAttention's own
-kernels run the mod compiled too. Dynamo caches by the mod's code, so a mod remade every step as a closure over new
-tensors (document ids) compiles once; the first call of a new mod pays the compilation (seconds). Where a compiled
+kernels run the mod compiled too, static for each shape of the index tensors (a kernel compiled for dynamic shapes ran
+a mask 2.2x slower). Dynamo caches by the mod's code, so a mod remade every step as a closure over new tensors
+(document ids) compiles once per S; the first call of a new mod or S pays the compilation (seconds). Where a compiled
 call fails, the mod is called eagerly: a mod that cannot work on tensors gets the same message either way; one that
 only the compiler refuses is evaluated eagerly from then on, with a warning that says why.
 """
@@ -57,25 +58,35 @@ def _evaluate(mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k
     return mod(b, h, q, kv)
 
 
-# One compiled copy of `_evaluate` per mod code (or type, for callables without code), the mod passed in as an
-# argument. Why not torch.compile(mod) per call: making the wrapper copies Inductor's config, 3.5 ms on an H100's host
-# against 0.1 ms for a compiled slab (RESULTS.md), and a training loop remakes its mod, a closure over the step's
-# document ids, every step; Dynamo inlines the mod and guards on its code, so closures of one code share a graph. Why
-# a copy per code: Dynamo's cache and its recompile limit (8) are per code object, so one shared `_evaluate` would stop
-# compiling after eight different mods.
-# A mod whose compilation failed maps to None: evaluated eagerly from then on, warned about once.
-_COMPILED: dict[object, Callable | None] = {}
+# One compiled copy of `_evaluate` per mod code (or type, for callables without code) and per shape of the index
+# tensors, each compiled with dynamic=False; the mod is passed in as an argument. Why not torch.compile(mod) per call:
+# making the wrapper copies Inductor's config, 3.5 ms on an H100's host against 0.1 ms for a compiled slab (RESULTS.md),
+# and a training loop remakes its mod, a closure over the step's document ids, every step; Dynamo inlines the mod and
+# guards on its code, so closures of one code share a graph. Why a copy per shape, static: a copy that saw a second
+# shape (a shorter last slab, another S) would recompile with Dynamo's automatic dynamic shapes, and the dynamic kernel
+# divides its flat index by run-time sizes per element -- random eviction at 32K took 15.5 ms a mask so against 7.1
+# static on an H200 (RESULTS.md, thirty-first session). Why copies at all: Dynamo's cache and its recompile limit (8)
+# are per code object, so one shared `_evaluate` would stop compiling after eight mods or shapes. A mask at one S
+# compiles one or two shapes (its slabs, a shorter last slab).
+_COMPILED: dict[tuple[object, tuple], Callable] = {}
+# Mod codes whose compilation failed: evaluated eagerly from then on, warned about once.
+_NOT_COMPILED: set[object] = set()
 
 
 def _code_of(mod: MaskMod) -> object:
     return getattr(mod, "__code__", None) or type(mod)
 
 
-def _compiled_evaluator(mod: MaskMod) -> Callable | None:
-    key = _code_of(mod)
+def _compiled_evaluator(mod: MaskMod, shapes: tuple) -> Callable | None:
+    """The compiled `_evaluate` for `mod`'s code and index tensors of `shapes`; None where that code failed to
+    compile before."""
+    code_key = _code_of(mod)
+    if code_key in _NOT_COMPILED:
+        return None
+    key = (code_key, shapes)
     if key not in _COMPILED:
         code = _evaluate.__code__.replace(co_name=f"_evaluate_{len(_COMPILED)}")
-        _COMPILED[key] = torch.compile(types.FunctionType(code, _evaluate.__globals__))
+        _COMPILED[key] = torch.compile(types.FunctionType(code, _evaluate.__globals__), dynamic=False)
     return _COMPILED[key]
 
 
@@ -87,21 +98,24 @@ def compiles_by_default(device: torch.device) -> bool:
 class _Mod:
     """The user's mod, called on broadcasting index tensors, its result checked and made a bool block.
 
-    `compiled`: every call goes through the mod's compiled evaluator (eagerly again where it fails: the eager call
-    tells the mod's own faults from the compiler's)."""
+    `compiled`: calls go through the mod's compiled evaluator for their shapes (eagerly again where it fails: the
+    eager call tells the mod's own faults from the compiler's); `eager=True` skips it for one call."""
 
     def __init__(self, mod: MaskMod, device: torch.device, compiled: bool = False) -> None:
-        self.mod, self.device = mod, device
+        self.mod, self.device, self.compiled = mod, device, compiled
         self.h = torch.zeros((), dtype=torch.int64, device=device)
-        self.compiled = _compiled_evaluator(mod) if compiled else None
 
-    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None,
+                 eager: bool = False) -> torch.Tensor:
         shape = torch.broadcast_shapes(b.shape, q.shape, kv.shape)
         h = self.h if h is None else h
         out = failure = None
-        if self.compiled is not None:
+        evaluator = None
+        if self.compiled and not eager:
+            evaluator = _compiled_evaluator(self.mod, (tuple(b.shape), tuple(q.shape), tuple(kv.shape)))
+        if evaluator is not None:
             try:
-                out = self.compiled(self.mod, b, h, q, kv)
+                out = evaluator(self.mod, b, h, q, kv)
             except Exception as exc:  # noqa: BLE001 - Dynamo's and Inductor's failures vary; the eager call decides
                 failure = exc
         if out is None:
@@ -113,7 +127,8 @@ class _Mod:
             warnings.warn(f"omnigen.mask_from_mod: the mask_mod could not be compiled ({exception_line(failure)}); "
                           "evaluating it eagerly from now on (slower; compile_mod=False skips the attempt)",
                           stacklevel=4)
-            self.compiled = _COMPILED[_code_of(self.mod)] = None
+            self.compiled = False
+            _NOT_COMPILED.add(_code_of(self.mod))
         if isinstance(out, bool):
             return torch.full(shape, out, dtype=torch.bool, device=self.device)
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
@@ -158,7 +173,9 @@ def _head_sample(mod: _Mod, batches: torch.Tensor, S: int,
     positions = torch.arange(count, device=device) * (S - 1) // max(1, count - 1)
     b = batches[:4, None, None]
     q, kv = positions[None, :, None], positions[None, None, :]
-    return positions, mod(b, q, kv), mod(b, q, kv, torch.ones((), dtype=torch.int64, device=device))
+    # Eagerly: a compiled evaluator of these shapes would cost a compilation for 2 x 4 x 96^2 pairs.
+    ones = torch.ones((), dtype=torch.int64, device=device)
+    return positions, mod(b, q, kv, eager=True), mod(b, q, kv, ones, eager=True)
 
 
 def _check_heads(positions: torch.Tensor, first: torch.Tensor, other: torch.Tensor) -> None:
