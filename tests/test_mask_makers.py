@@ -399,8 +399,10 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
     compiled_calls = []
     real_compile = torch.compile
 
+    compiled_kinds = []
+
     def counting_compile(fn, **kwargs):
-        assert kwargs == {"dynamic": False}  # static kernels: a dynamic one divides by run-time sizes per element
+        compiled_kinds.append(kwargs)
         inner = real_compile(fn, backend="eager")
 
         def call(mod, *index):
@@ -427,6 +429,18 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
     omnigen.mask_from_mod(catalogue_mask("medusa_tree", 2, 300, seed=6).mask_mod, 2, 300, "cpu", tiles=TILES,
                           compile_mod=True)
     assert from_mod._COMPILED == evaluators
+    # static kernels (a dynamic one divides by run-time sizes per element), until one code has STATIC_SHAPES of them;
+    # then one dynamic copy takes every further shape (S changing from step to step)
+    assert compiled_kinds == [{"dynamic": False}] * len(evaluators)
+    monkeypatch.setattr(from_mod, "STATIC_SHAPES", 2)
+    compiled_kinds.clear()
+    for S in (40, 56, 72, 88, 104):
+        made = catalogue_mask("qk_sparse", 1, S, seed=1)
+        _same(omnigen.mask_from_mod(made.mask_mod, 1, S, "cpu", tiles=TILES, compile_mod=True),
+              omnigen.mask_from_mod(made.mask_mod, 1, S, "cpu", tiles=TILES, compile_mod=False))
+    assert compiled_kinds == [{"dynamic": False}] * 2 + [{"dynamic": True}]
+    qk_code = catalogue_mask("qk_sparse", 1, 40).mask_mod.__code__
+    assert sorted(shapes is None for code, shapes in from_mod._COMPILED if code == qk_code) == [False, False, True]
 
     attempts = []
 

@@ -16,7 +16,8 @@ kernel that writes a slab's booleans, where eagerly each operation writes a whol
 sliding window's five operations took ~3 ms of a 4.8 ms mask at 8K x 4 on an H100; RESULTS.md). FlexAttention's own
 kernels run the mod compiled too, static for each shape of the index tensors (a kernel compiled for dynamic shapes ran
 a mask 2.2x slower). Dynamo caches by the mod's code, so a mod remade every step as a closure over new tensors
-(document ids) compiles once per S; the first call of a new mod or S pays the compilation (seconds). Where a compiled
+(document ids) compiles once per S (past a few S, once more for dynamic shapes); the first call of a new mod or S pays
+the compilation (seconds). Where a compiled
 call fails, the mod is called eagerly: a mod that cannot work on tensors gets the same message either way; one that
 only the compiler refuses is evaluated eagerly from then on, with a warning that says why.
 """
@@ -62,13 +63,15 @@ def _evaluate(mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k
 # tensors, each compiled with dynamic=False; the mod is passed in as an argument. Why not torch.compile(mod) per call:
 # making the wrapper copies Inductor's config, 3.5 ms on an H100's host against 0.1 ms for a compiled slab (RESULTS.md),
 # and a training loop remakes its mod, a closure over the step's document ids, every step; Dynamo inlines the mod and
-# guards on its code, so closures of one code share a graph. Why a copy per shape, static: a copy that saw a second
-# shape (a shorter last slab, another S) would recompile with Dynamo's automatic dynamic shapes, and the dynamic kernel
-# divides its flat index by run-time sizes per element -- random eviction at 32K took 15.5 ms a mask so against 7.1
-# static on an H200 (RESULTS.md, thirty-first session). Why copies at all: Dynamo's cache and its recompile limit (8)
-# are per code object, so one shared `_evaluate` would stop compiling after eight mods or shapes. A mask at one S
-# compiles one or two shapes (its slabs, a shorter last slab).
-_COMPILED: dict[tuple[object, tuple], Callable] = {}
+# guards on its code, so closures of one code share a graph. Why static copies: a copy that saw a second shape (a
+# shorter last slab, another S) would recompile with Dynamo's automatic dynamic shapes, and the dynamic kernel divides
+# its flat index by run-time sizes per element -- random eviction at 32K took 15.5 ms a mask so against 7.1 static on
+# an H200 (RESULTS.md, thirty-first session). Why copies at all: Dynamo's cache and its recompile limit (8) are per
+# code object, so one shared `_evaluate` would stop compiling after eight mods or shapes. A mask at one S compiles one
+# or two shapes (its slabs, a shorter last slab); past STATIC_SHAPES shapes of one code (S changing from step to
+# step) one copy compiled for dynamic shapes takes every further shape, so that a new S no longer costs a compilation.
+STATIC_SHAPES = 6
+_COMPILED: dict[tuple[object, tuple | None], Callable] = {}  # (code, shapes); shapes None: the dynamic copy
 # Mod codes whose compilation failed: evaluated eagerly from then on, warned about once.
 _NOT_COMPILED: set[object] = set()
 
@@ -78,15 +81,18 @@ def _code_of(mod: MaskMod) -> object:
 
 
 def _compiled_evaluator(mod: MaskMod, shapes: tuple) -> Callable | None:
-    """The compiled `_evaluate` for `mod`'s code and index tensors of `shapes`; None where that code failed to
-    compile before."""
+    """The compiled `_evaluate` for `mod`'s code and index tensors of `shapes` (static, or the code's dynamic copy once
+    it has STATIC_SHAPES static ones); None where that code failed to compile before."""
     code_key = _code_of(mod)
     if code_key in _NOT_COMPILED:
         return None
     key = (code_key, shapes)
     if key not in _COMPILED:
-        code = _evaluate.__code__.replace(co_name=f"_evaluate_{len(_COMPILED)}")
-        _COMPILED[key] = torch.compile(types.FunctionType(code, _evaluate.__globals__), dynamic=False)
+        static = sum(1 for code, shape in _COMPILED if code == code_key and shape is not None) < STATIC_SHAPES
+        key = key if static else (code_key, None)
+        if key not in _COMPILED:
+            code = _evaluate.__code__.replace(co_name=f"_evaluate_{len(_COMPILED)}")
+            _COMPILED[key] = torch.compile(types.FunctionType(code, _evaluate.__globals__), dynamic=not static)
     return _COMPILED[key]
 
 
