@@ -105,6 +105,7 @@ class Sm90Family(KernelFamily):
             "dq_writer": r.hopper_dq_writer,
             "dq_in_turns": r.hopper_dq_in_turns,
             "bits_slot_in_tables": o.bits_slot_in_tables,
+            "prefetch_next_kv": o.prefetch_next_kv,
             "leading_kv_tiles": o.leading_kv_tiles,
             "leading_q_tiles": o.leading_q_tiles,
             "balanced_sections": o.balanced_sections,

@@ -124,6 +124,11 @@ class HopperOptions(KernelOptions):
     # within -0.6..+0.7% on an H200, the reloads were off the critical path ("The backward producer's registers";
     # "Thirtieth session: the tile-order options, run").
     backward_producer_registers: int = 0
+    # The backward's producer asks L2 for the K and V of the CTA a multiprocessor count later in the atomic-order
+    # sectioned grid, once its own copies are issued, so that the CTA starting as one of this wave ends reads its first
+    # K and V from L2 rather than DRAM: a part of the fixed cost per CTA (about 4 us at d128) that masks of short
+    # columns pay often. Built and compiled (no change to the consumers' code), not yet timed: off.
+    prefetch_next_kv: bool = False
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
     backward_stages: int = 0
