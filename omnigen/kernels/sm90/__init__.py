@@ -109,6 +109,7 @@ class Sm90Family(KernelFamily):
             "leading_kv_tiles": o.leading_kv_tiles,
             "leading_q_tiles": o.leading_q_tiles,
             "balanced_sections": o.balanced_sections,
+            "prefetch_next_q": o.prefetch_next_q,
             # GQA in atomic mode: each query head adds its dK/dV into its group's fp32 rows (the binding's GROUP_DKDV)
             "group_dkdv": not problems,
             # dQ staged by stmatrix, its fp32 columns interleaved in groups of 8 (split columns add it by atomics)

@@ -49,8 +49,8 @@ class HopperOptions(KernelOptions):
     # (Longformer's) make q-tile 0's row as long as the sequence, and each section took it last, so the last
     # section's ran alone at the end: Longformer's forward -19..-32% at 8K / 32K, d64 and d128 (H200, on paper -17% /
     # -27%). Where nothing leads, the producer's per-tile mapping cost ~1.5% of the d64 forward (within 0.5% at
-    # d128); it now maps with the plain order's arithmetic then, not yet timed ("Thirtieth session: the tile-order
-    # options, run").
+    # d128); it now maps with the plain order's arithmetic then, and at d64 the default reads within -0.6..+0.9% of
+    # leading_q_tiles=0, paired ("Thirtieth session: the tile-order options, run"; "Thirty-first session").
     leading_q_tiles: int = 2
     # The tile order's sections (as many pairs as keep K and V in 5/8 of L2) sized between half that and all of it so
     # that the last section holds the most pairs: 64 pairs in sections of 7 left one pair for last, whose longest rows
@@ -58,6 +58,11 @@ class HopperOptions(KernelOptions):
     # mask -3.7% / -3.8% at 4K / 8K, Transfusion -2.1%, d64 -0.1..-1.0% (H200; on paper -3.3% / -4.1%); nothing
     # where the sections already divide the pairs ("Thirtieth session: the tile-order options, run").
     balanced_sections: bool = True
+    # The persistent forward's producer asks L2 for the next work tile's Q as soon as it has the tile, a ring's depth
+    # of steps ahead of the copy that waits for the consumers to finish with Q's one buffer: that copy's DRAM latency
+    # sits between two tiles' products once per tile. Built and compiled (no change to the consumers' code), not yet
+    # timed: off.
+    prefetch_next_q: bool = False
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
