@@ -17,11 +17,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-prefetch}"
 steps=" ${STEPS:-1 2 3} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-source scripts/check_steps.sh  # record, elapsed, print_summary
+source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment
 options=(prefetch_next_kv=1 prefetch_next_q=1)
 
-{ nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
-  git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$out/environment.log"
+log_environment "$out"
 
 if want 1; then
 echo "== 1. GPU tests of the prefetch options"

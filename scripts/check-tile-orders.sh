@@ -20,10 +20,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-tile-orders}"
 steps=" ${STEPS:-1 2 3 4} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-source scripts/check_steps.sh  # record, elapsed, print_summary
+source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment
 
-{ nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
-  git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$out/environment.log"
+log_environment "$out"
 
 if want 1; then
 echo "== 1. GPU tests of the tile-order options"

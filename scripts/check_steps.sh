@@ -2,6 +2,7 @@
 #   record NAME EXIT_CODE NOTE     (a non-zero exit code marks the step FAIL and the run's status 1)
 #   elapsed START_SECONDS          ("42s")
 #   print_summary WIDTH            (the table; WIDTH: the step column's)
+#   log_environment OUT            (the GPU, its driver and power limit, and the commit, into OUT/environment.log)
 declare -a names statuses notes
 status=0
 record() {  # name, exit code, note
@@ -12,4 +13,8 @@ elapsed() { echo "$(( $(date +%s) - $1 ))s"; }
 print_summary() {  # the step column's width
   printf "%-${1}s %-9s %s\n" step status note
   for i in "${!names[@]}"; do printf "%-${1}s %-9s %s\n" "${names[$i]}" "${statuses[$i]}" "${notes[$i]}"; done
+}
+log_environment() {  # the output folder
+  { nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
+    git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$1/environment.log"
 }
