@@ -12,11 +12,20 @@ thing, beside FlexAttention's create_block_mask when it is importable (--flex).
 
 With --digest it also prints a hash of each mask's schedules and bits, so two versions of the makers can be compared
 for bit-identical results.
+
+With --slab-elements it times the same makes with slabs of 2^N pairs for each N given (the makers' budget on the
+device: ruleless's slab and from_mod's evaluation call), in alternating rounds, and checks that every budget makes the
+bit-identical mask: fewer, larger slabs cost fewer compiled calls and launches on the host, and more memory while
+the mask is made.
+
+    PYTHONPATH=. python3 scripts/bench_mask_making.py --sizes 8192 32768 --tokens 32768 --device cuda \
+        --masks random_eviction global_sliding_window causal_documents --slab-elements 26 27 28 --no-profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import statistics
@@ -30,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import omnigen  # noqa: E402
 from omnigen.mask_catalogue import NAMES, catalogue_mask  # noqa: E402
+from omnigen.plan import from_mod, ruleless  # noqa: E402
 
 # nonzero_static is no wait: its size is given
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
@@ -86,6 +96,42 @@ def op_counts(make: Callable[[], Any], device: torch.device) -> dict[str, int]:
     return {"aten_ops": len(events), "launches": launches, "syncs": syncs}
 
 
+@contextlib.contextmanager
+def slab_budget(log2: int, device: torch.device):
+    """Slabs (and, on a GPU, the mod's evaluation calls) of 2^log2 pairs on `device` while inside."""
+    names = (("SLAB_ELEMENTS", ruleless), ("CPU_EVAL_ELEMENTS", from_mod)) if device.type == "cpu" else \
+        (("GPU_SLAB_ELEMENTS", ruleless), ("EVAL_ELEMENTS", from_mod))
+    saved = [(module, name, getattr(module, name)) for name, module in names]
+    for module, name, _ in saved:
+        setattr(module, name, 1 << log2)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def by_slab_budget(make: Callable[[], Any], device: torch.device, runs: int, budgets: list[int],
+                   rounds: int = 3) -> tuple[dict[str, float], bool]:
+    """({"2^N": median ms of make() over `rounds` alternating rounds of `runs`}, whether every budget made the same
+    mask (digest))."""
+    times: dict[int, list[float]] = {n: [] for n in budgets}
+    digests = set()
+    for n in budgets:  # each budget's first (compiling) call apart
+        with slab_budget(n, device):
+            digests.add(digest(make()))
+    for _ in range(rounds):
+        for n in budgets:
+            with slab_budget(n, device):
+                for _ in range(runs):
+                    _sync(device)
+                    start = time.perf_counter()
+                    make()
+                    _sync(device)
+                    times[n].append((time.perf_counter() - start) * 1e3)
+    return {f"2^{n}": round(statistics.median(t), 2) for n, t in times.items()}, len(digests) == 1
+
+
 def digest(mask) -> str:
     """A hash of every schedule tensor and bit of a mask: equal digests, bit-identical masks."""
     h = hashlib.sha256()
@@ -111,6 +157,8 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the op counts")
     parser.add_argument("--digest", action="store_true")
     parser.add_argument("--flex", action="store_true", help="also time FlexAttention's create_block_mask")
+    parser.add_argument("--slab-elements", nargs="+", type=int, metavar="N",
+                        help="also time slabs of 2^N pairs for each N, in alternating rounds (see above)")
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -142,6 +190,9 @@ def main() -> None:
                     row.update(op_counts(make, device))
                 if args.digest:
                     row["digest"] = digest(mask)
+                if args.slab_elements:
+                    row["make_ms_by_slab"], row["same_mask_every_slab"] = by_slab_budget(
+                        make, device, args.runs, args.slab_elements)
                 if args.flex and source == "mod":
                     from torch.nn.attention.flex_attention import create_block_mask
                     flex_ms, _ = timed(lambda: create_block_mask(made.mask_mod, B, None, S, S, device=device),

@@ -515,3 +515,22 @@ def test_a_mask_from_data_of_unknown_maker_names_all_three():
     with pytest.raises(ValueError, match=r"made from data for B=1, S=64 .*mask_from_mod\(mask_mod, 2, 64\) or "
                                          r".*mask_from_dense.* or .*mask_from_intervals"):
         omnigen.attention(q, q, q, mask)
+
+
+def test_the_slab_budget_changes_the_time_not_the_mask():
+    """scripts/bench_mask_making.py --slab-elements: each budget makes the bit-identical mask (fewer, larger slabs
+    are only fewer calls), and the makers' budgets are restored afterwards."""
+    from script_modules import load_script
+
+    from omnigen.plan import from_mod, ruleless
+
+    bench = load_script("bench_mask_making")
+    before = (ruleless.SLAB_ELEMENTS, from_mod.CPU_EVAL_ELEMENTS)
+    made = catalogue_mask("random_eviction", 2, 700, seed=3)
+    make = lambda: omnigen.mask_from_mod(made.mask_mod, 2, 700, "cpu", tiles=TILES)  # noqa: E731
+    times, same = bench.by_slab_budget(make, torch.device("cpu"), runs=1, budgets=[16, 18, 22], rounds=1)
+    assert same and set(times) == {"2^16", "2^18", "2^22"} and all(t > 0 for t in times.values())
+    assert (ruleless.SLAB_ELEMENTS, from_mod.CPU_EVAL_ELEMENTS) == before
+    # a planted difference is caught: the digest tells two masks apart
+    other = omnigen.mask_from_mod(catalogue_mask("random_eviction", 2, 700, seed=4).mask_mod, 2, 700, "cpu", tiles=TILES)
+    assert bench.digest(other) != bench.digest(make())
