@@ -9,6 +9,10 @@ each, and `leading` counting q-tiles: the leading_q_tiles option).
   dynamic    a persistent grid taking tiles in grid order from a counter (the forward's way)
   LPT        every tile longest first, no sections: the bound any order could reach (it ignores L2)
   ideal      the work spread evenly over the SMs
+  counter    (--masks with --persistent-fixed-us) a persistent grid taking tiles in grid order from a counter, each
+             tile after a CTA's first paying --persistent-fixed-us instead of --fixed-us
+  chunks N   (--masks with --chunks) each CTA walks N consecutive tiles of the grid order, the tiles after its first
+             paying --persistent-fixed-us: a kernel that loops over a few tiles without a counter
 
 Tiles come from real plans: the plain causal mask's columns (the default), or with --masks the columns of omnigen's
 mask catalogue (omnigen.mask_catalogue) and of the example rules' synthetic layouts (`transfusion`), each planned on
@@ -20,6 +24,8 @@ batch) pairs run together), and the pipeline's own overlap.
     python scripts/simulate_backward_grid.py --masks all --sizes 8192 32768 --leading 1 2
     python scripts/simulate_backward_grid.py --masks all --sizes 8192 32768 --leading 1 --forward \
         --fixed-us 3 --per-step-us 1.9
+    python scripts/simulate_backward_grid.py --masks causal causal_documents --sizes 8192 --leading 2 \
+        --persistent-fixed-us 4 --chunks 2 4
 """
 from __future__ import annotations
 
@@ -83,6 +89,31 @@ def next_free(costs: list[float], sms: int) -> float:
     return end
 
 
+def persistent_counter(steps: list[int], sms: int, first_us: float, later_us: float, per_step_us: float) -> float:
+    """Makespan of min(sms, tiles) CTAs taking tiles in order from a counter (CTA b starts with tile b): a CTA's first
+    tile pays `first_us` of fixed cost, every later one `later_us` (empty tiles: nothing but the counter)."""
+    if not steps:
+        return 0.0
+    free = [first_us + per_step_us * s for s in steps[:sms]]
+    end = max(free)
+    heapq.heapify(free)
+    for s in steps[sms:]:
+        finish = heapq.heappop(free) + (later_us + per_step_us * s if s else 0.0)
+        end = max(end, finish)
+        heapq.heappush(free, finish)
+    return end
+
+
+def chunked(steps: list[int], sms: int, chunk: int, first_us: float, later_us: float, per_step_us: float) -> float:
+    """Makespan of a grid whose CTA c walks tiles c * chunk ... c * chunk + chunk - 1 of the order, the first paying
+    `first_us` of fixed cost and the rest `later_us`, CTAs starting wherever an SM frees, in order."""
+    costs = []
+    for first in range(0, len(steps), chunk):
+        part = [s for s in steps[first:first + chunk] if s]
+        costs.append(first_us + later_us * (len(part) - 1) + per_step_us * sum(part) if part else 0.5)
+    return next_free(costs, sms)
+
+
 def round_robin(costs: list[float], sms: int) -> float:
     """Makespan when SM b takes tiles b, b + sms, ..."""
     loads = [0.0] * sms
@@ -140,6 +171,8 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="with --masks: the forward's work tiles and order")
     parser.add_argument("--head-dim", type=int, default=128, help="with --forward: sizes the L2 sections")
     parser.add_argument("--block-n", type=int, default=128, help="with --masks: the plans' kv-tile (d256: 64)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[],
+                        help="with --masks (backward): tiles walked by each CTA of a chunked grid, to try")
     parser.add_argument("--l2-mib", type=float, default=50.0,
                         help="with --forward: the L2 the sections fit, MiB (H100: 50, H200: 60)")
     args = parser.parse_args()
@@ -150,7 +183,9 @@ def main() -> None:
         for seq_len in args.sizes:
             batch = max(1, args.tokens // seq_len)
             print(f"S = {seq_len}, B = {batch}: ms on paper; the orders' change against the grid's")
+            persistent = args.persistent_fixed_us is not None and not args.forward
             labels = [f"leading {f}" for f in args.leading] + (["balanced"] if args.forward else [])
+            labels += (["counter"] if persistent else []) + [f"chunks {n}" for n in ([] if args.forward else args.chunks)]
             print(f"{'mask':<22} {'grid':>7} " + " ".join(f"{label:>10}" for label in labels) +
                   f" {'LPT':>7} {'ideal':>7}  longest / mean column (steps)")
             # the forward's sections: pairs whose K and V fit 5/8 of L2 (tile_order in forward.cu.j2)
@@ -174,6 +209,12 @@ def main() -> None:
                 leading = [next_free([cost(s) for s in order(f)], args.sms) for f in args.leading]
                 if args.forward:  # the balanced sections, as one more column
                     leading.append(next_free([cost(s) for s in forward_order(columns, args.heads, balanced)], args.sms))
+                else:  # the persistent grids over the order with the largest lead tried (the default's 2)
+                    steps = order(max(args.leading, default=0))
+                    later = args.fixed_us if args.persistent_fixed_us is None else args.persistent_fixed_us
+                    if persistent:
+                        leading.append(persistent_counter(steps, args.sms, args.fixed_us, later, args.per_step_us))
+                    leading += [chunked(steps, args.sms, n, args.fixed_us, later, args.per_step_us) for n in args.chunks]
                 every = [cost(s) for s in order(0)]
                 lpt = next_free(sorted(every, reverse=True), args.sms)
                 ideal = sum(every) / args.sms

@@ -30,6 +30,19 @@ def test_makespans():
     assert sim.round_robin([4, 1, 1, 1, 1], sms=2) == 6
 
 
+def test_persistent_makespans():
+    """The counter-fed persistent grid: a CTA's first tile pays the launch's fixed cost, later ones the persistent one;
+    chunks: each CTA walks consecutive tiles. Worked by hand with 2 SMs, 1 us a step."""
+    sim = load_script("simulate_backward_grid")
+    # tiles of 4, 1, 1, 1 steps; first tiles fixed 2, later 1: SM0 takes 4 (6), SM1 1 (3), then 1 (+2 = 5), then 1 (7)
+    assert sim.persistent_counter([4, 1, 1, 1], sms=2, first_us=2, later_us=1, per_step_us=1) == 7
+    assert sim.persistent_counter([4, 0, 1], sms=2, first_us=2, later_us=1, per_step_us=1) == 6  # empty: no cost
+    assert sim.persistent_counter([], sms=2, first_us=2, later_us=1, per_step_us=1) == 0
+    # chunks of 2: CTA costs 2 + 4 + 1 + 1 = 8 and 2 + 1 + 1 + 1 = 5 on two SMs
+    assert sim.chunked([4, 1, 1, 1], sms=2, chunk=2, first_us=2, later_us=1, per_step_us=1) == 8
+    assert sim.chunked([4, 1, 1, 1], sms=1, chunk=2, first_us=2, later_us=1, per_step_us=1) == 13
+
+
 def test_balanced_section_keeps_the_last_section_large():
     sim = load_script("simulate_backward_grid")
     assert sim.balanced_section(64, 7) == 6  # 7 leaves 1 pair for last; 6, 5 and 4 leave 4: the larger, 6
