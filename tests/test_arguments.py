@@ -12,6 +12,7 @@ from omnigen import Rules
 from omnigen.jit import codegen
 from omnigen.kernels import arguments
 from omnigen.kernels.sm90 import resources
+from omnigen.kernels.sm90.options import HopperOptions
 from omnigen.targets import KernelConfig, TileConfig
 
 RULES = Rules.load(Path(__file__).resolve().parents[1] / "examples" / "rules" / "transfusion.yaml")
@@ -81,7 +82,7 @@ def _binding_traits(binding: str) -> dict[str, object]:
     return {"has_backward": flag("kHasBackward"), "backward_problem": problem or None,
             "persistent_forward": flag("kPersistentForward"), "partial_bits": flag("kPartialBits"),
             "ordered_dq": flag("kOrderedDq"), "group_dkdv": flag("kGroupDkdv"),
-            "dq_interleaved": flag("kDqInterleaved")}
+            "dq_interleaved": flag("kDqInterleaved"), "persistent_backward": flag("kPersistentBackward")}
 
 
 @pytest.mark.parametrize("rules_name, config", [
@@ -90,7 +91,12 @@ def _binding_traits(binding: str) -> dict[str, object]:
     ("transfusion", KernelConfig(64, "fp16", "sm_80", TileConfig(128, 64, 4, 2))),
     ("transfusion", KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128), forward_only=True)),
     ("bits_only", KernelConfig(64, "bf16", "sm_80", TileConfig(128, 64, 4, 2))),
-], ids=["sm90-d128", "sm90-d256", "sm80-d64", "sm90-forward-only", "sm80-bits-only"])
+    ("transfusion", KernelConfig(64, "bf16", "sm_90a", resources.default_tile(64),
+                                 options=HopperOptions(persistent_backward=True))),
+    ("transfusion", KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256),
+                                 options=HopperOptions(persistent_backward=True))),
+], ids=["sm90-d128", "sm90-d256", "sm80-d64", "sm90-forward-only", "sm80-bits-only", "sm90-d64-persistent-backward",
+        "sm90-d256-persistent-backward"])
 def test_the_binding_exports_the_familys_traits(rules_name, config):
     """Each family states a variant's traits once (KernelFamily.traits); the binding's flags are rendered from that
     record, and launch.capabilities reads the same fields back from a module."""
@@ -106,12 +112,16 @@ def test_the_binding_exports_the_familys_traits(rules_name, config):
     module = type("Module", (), {"HAS_BACKWARD": traits.has_backward, "BACKWARD_PROBLEM": traits.backward_problem,
                                  "PERSISTENT_FORWARD": traits.persistent_forward, "PARTIAL_BITS": traits.partial_bits,
                                  "ORDERED_DQ": traits.ordered_dq, "GROUP_DKDV": traits.group_dkdv,
-                                 "DQ_INTERLEAVED": traits.dq_interleaved})
+                                 "DQ_INTERLEAVED": traits.dq_interleaved,
+                                 "PERSISTENT_BACKWARD": traits.persistent_backward})
     found = launch.capabilities(module)
     assert {name: getattr(found, name) for name in asdict(traits)} == asdict(traits)
     if config.forward_only:
         assert not traits.has_backward and "forward-only" in traits.backward_problem
     # dQ staged by stmatrix (interleaved columns) in the Hopper backward; d256's split columns add it by atomics
     assert traits.dq_interleaved == (config.arch == "sm_90a" and config.head_dim != 256 and not config.forward_only)
+    # the persistent backward: where the option asks for it and the kernel has the writer warp (not d256's pairs)
+    asked = config.options is not None and getattr(config.options, "persistent_backward", False)
+    assert traits.persistent_backward == (asked and config.head_dim != 256)
     if rules_name == "bits_only":
         assert traits.partial_bits

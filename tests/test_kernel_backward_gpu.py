@@ -667,6 +667,54 @@ def test_sm90_prefetch_next_kv(case, head_dim):
     _check_option_as_default(case, head_dim, {"prefetch_next_kv": True})
 
 
+# ---- the atomic-order backward as a persistent grid taking its kv-tiles from a counter (the persistent_backward
+# option, off by default; d64 and d128): against float64 on attention sinks under GQA (256 columns, about two a CTA)
+# and plain text (96: one a CTA, and the counter's first value ends every loop); then on 8K tokens x 16 heads (2,048
+# columns, ~16 a CTA, empty ones among them from the padding) against the default module: dK and dV bit for bit
+# (each column's sums in the same order, whichever CTA walks it), dQ within the atomics' reordering.
+
+PERSISTENT_BACKWARD_LAYOUTS = [
+    "pad:300 text:2000 image:1024 text:1500 image:256 text:3112",
+    "text:3000 image:1024@1 text:1900@1 image:45@1 pad:2223@1",
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", LEADING_CASES, ids=lambda c: c[0])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_persistent_backward(case, head_dim):
+    _skip_unless_family_runs("sm90")
+    options = {"persistent_backward": True}
+    assert _module(case[1], head_dim, "bf16", family="sm90", options=options).PERSISTENT_BACKWARD
+    _check_option_as_default(case, head_dim, options)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_persistent_backward_many_columns(head_dim):
+    _skip_unless_family_runs("sm90")
+    persistent = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"persistent_backward": True})
+    default = _module(TRANSFUSION, head_dim, "bf16", family="sm90")
+    assert persistent.PERSISTENT_BACKWARD and not default.PERSISTENT_BACKWARD
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_BACKWARD_LAYOUTS])
+    B, S, H = 2, layout.seq_len, 16
+    q, k, v, d_o = _inputs(B, H, H, S, head_dim, torch.bfloat16, strided=False)
+    scale = 1.0 / math.sqrt(head_dim)
+    plan = omnigen.plan(TRANSFUSION, layout, block_m=default.BLOCK_M, block_n=default.BLOCK_N, device="cuda")
+    o, lse = run_forward(default, plan, q, k, v, scale)
+    delta = run_delta(default, o, d_o)
+    ours = run_backward(persistent, plan, q, k, v, o, lse, d_o, delta, scale)
+    expected = run_backward(default, plan, q, k, v, o, lse, d_o, delta, scale)
+    for a, b, label in zip(ours, expected, ("dq", "dk", "dv")):
+        assert not torch.isnan(a).any(), f"{label}: NaN left (a column not walked?)"
+        if label == "dq":  # fp32 additions in another order: a few ulps of the largest value
+            assert _max_error(a, b) <= 1e-5 * float(b.abs().max()), f"dq: {_max_error(a, b)} from the default's"
+        else:
+            assert torch.equal(a, b), f"{label}: not the default module's bits"
+
+
 # ---- the backward producer's registers (the backward_producer_registers option, off by default): 32 for the producer
 # warpgroup, 232 for each consumer thread, where d64 and d256 then keep no value in local memory.
 

@@ -237,7 +237,8 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
     traits = family.traits_of(context, config)
     context.update(backward_supported=traits.has_backward, backward_problem=traits.backward_problem or "",
                    persistent=traits.persistent_forward, partial_bits=traits.partial_bits,
-                   ordered_dq=traits.ordered_dq, dq_interleaved=traits.dq_interleaved)
+                   ordered_dq=traits.ordered_dq, dq_interleaved=traits.dq_interleaved,
+                   persistent_backward=traits.persistent_backward)
     context["raw_delimiter"] = _raw_delimiter(context["rules_yaml"])
     env = _environment(family)
     mask_context = dict(context, header=_header(rules, None, None), namespace=f"omnigen_rules_{rules.name}")

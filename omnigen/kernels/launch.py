@@ -20,7 +20,8 @@ from .arguments import BACKWARD, CONVERT, DELTA, FORWARD, call_arguments
 class VariantTraits:
     """What a variant's module does besides the launches every module has. Its family states them when the variant
     is rendered (`KernelFamily.traits`), the binding exports them as the module's attributes (HAS_BACKWARD,
-    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED), and `capabilities` reads them back."""
+    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED, PERSISTENT_BACKWARD), and
+    `capabilities` reads them back."""
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
@@ -29,6 +30,7 @@ class VariantTraits:
     ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
     group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
     dq_interleaved: bool  # the backward's fp32 dQ has each 8-column group as 0, 2, 4, 6, 1, 3, 5, 7 (convert_gradient)
+    persistent_backward: bool  # the atomic-order backward takes its kv-tiles from a counter the caller zeroes
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def capabilities(module: Any) -> Capabilities:
             backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
             persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
             ordered_dq=flag("ORDERED_DQ"), group_dkdv=flag("GROUP_DKDV"),
-            dq_interleaved=flag("DQ_INTERLEAVED"))
+            dq_interleaved=flag("DQ_INTERLEAVED"), persistent_backward=flag("PERSISTENT_BACKWARD"))
         found = Capabilities(
             **asdict(traits),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
@@ -207,6 +209,10 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
         # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
         ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
         keywords = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
+    elif not deterministic and capabilities(module).persistent_backward:  # its kv-tiles come from a counter
+        # A fresh one per call (a memset on the stream), as the forward's: two streams never share one.
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        keywords["dq_semaphore"] = counter.data_ptr()
     keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot_bwd", None),
                                            getattr(p, "partial_bits_bwd", None)))
     module.backward(*call_arguments(BACKWARD, values, _stream()), **keywords)

@@ -230,6 +230,14 @@ class Resources:
         return self.options.dq_writer and self.hopper_tma_dq
 
     @property
+    def hopper_persistent_backward(self) -> bool:
+        """Whether the atomic-order Hopper backward runs as a persistent grid taking its kv-tiles from a counter (the
+        persistent_backward option): with the writer warp and a sectioned grid, not with paired dQ (d64, d128)."""
+        # (not hopper_dq_writer: its backward_problems() asks for the shared memory, which asks for this)
+        return (self.options.persistent_backward and self.options.dq_writer and not self.hopper_split_columns
+                and self.atomic_section_pairs > 0 and not self.hopper_paired_dq)
+
+    @property
     def hopper_dq_in_turns(self) -> bool:
         """Whether each step's dQ is computed by one consumer warpgroup, the two taking turns (the dq_in_turns
         option): at d64 only (DQ_IN_TURNS_HEAD_DIMS), and with the writer warp, which adds what the step's warpgroup
@@ -256,7 +264,9 @@ class Resources:
         # + the bits slot, padded to 16 bytes (bits_slot_in_tables)
         tables = stages * (5 * HOPPER_STEP_ROWS * 4 + (16 if self.options.bits_slot_in_tables else 0))
         barriers = 8 * (1 + 2 * stages + (4 if self.hopper_paired_dq else 0))  # paired: dO's full and empty, peer_full x 2
-        total = 2 * kv + (stages + d_o_stages) * rows + score_buffers * ds + dq + peer + tables + barriers
+        # persistent: kv_empty, tile_full x 2, tile_empty x 2, and two handed columns of 16 bytes
+        handed = 8 * 5 + 2 * 16 if self.hopper_persistent_backward else 0
+        total = 2 * kv + (stages + d_o_stages) * rows + score_buffers * ds + dq + peer + tables + barriers + handed
         return -(-total // 1024) * 1024
 
     @property

@@ -37,7 +37,10 @@ enum Schedule : int64_t {
 };
 
 // What a module reads besides the arguments every launch takes (omnigen/op/native/__init__.py: PERSISTENT_FORWARD...).
-enum Flag : int64_t { kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8, kDqInterleaved = 16 };
+enum Flag : int64_t {
+  kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8, kDqInterleaved = 16,
+  kPersistentBackward = 32
+};
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
 // flags, launch ABI, convert].
@@ -270,6 +273,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     ranks = dq_ranks(plan, B, q_tiles, kv_tiles);
     counters = at::zeros({B, Hq, (S + 63) / 64}, q.options().dtype(at::kInt));
     args.dq_rank = address<int32_t>(ranks);
+    args.dq_semaphore = counters.data_ptr<int32_t>();
+  } else if (!deterministic && (choice.flags & kPersistentBackward)) {
+    // The persistent backward's kv-tile counter, a fresh one per call as the forward's: two streams never share one.
+    counters = at::zeros({1}, q.options().dtype(at::kInt));
     args.dq_semaphore = counters.data_ptr<int32_t>();
   }
   set_partial_bits(args, choice, plan[kPartialSlotBwd], plan[kPartialBitsBwd],
