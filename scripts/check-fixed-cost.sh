@@ -22,17 +22,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-fixed-cost}"
 steps=" ${STEPS:-1 2 3} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment
+source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment, gpu_tests
 prefetches=(prefetch_next_kv=1 prefetch_next_q=1)
 
 log_environment "$out"
 
 if want 1; then
 echo "== 1. GPU tests of the options"
-t=$(date +%s)
-timeout 300 python3 -m pytest -q -n 12 -m gpu -p no:cacheprovider -W ignore tests/test_kernel_backward_gpu.py \
-  tests/test_kernel_forward_gpu.py -k "prefetch or persistent_backward" > "$out/tests.log" 2>&1
-rc=$?; tail -4 "$out/tests.log"; record tests $rc "$(tail -1 "$out/tests.log" | tr -d '=' | xargs) $(elapsed $t)"
+gpu_tests "$out" 300 "prefetch or persistent_backward" tests/test_kernel_backward_gpu.py tests/test_kernel_forward_gpu.py
 fi
 
 masks() {  # step name, options...

@@ -20,16 +20,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-tile-orders}"
 steps=" ${STEPS:-1 2 3 4} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment
+source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment, gpu_tests
 
 log_environment "$out"
 
 if want 1; then
 echo "== 1. GPU tests of the tile-order options"
-t=$(date +%s)
-timeout 240 python3 -m pytest -q -n 12 -m gpu -p no:cacheprovider -W ignore tests/test_kernel_backward_gpu.py \
-  tests/test_kernel_forward_gpu.py -k "leading_kv_tiles or tile_order_options" > "$out/tests.log" 2>&1
-rc=$?; tail -6 "$out/tests.log"; record tests $rc "$(tail -1 "$out/tests.log" | tr -d '=' | xargs) $(elapsed $t)"
+gpu_tests "$out" 240 "leading_kv_tiles or tile_order_options" tests/test_kernel_backward_gpu.py \
+  tests/test_kernel_forward_gpu.py
 fi
 
 if want 2; then

@@ -3,6 +3,8 @@
 #   elapsed START_SECONDS          ("42s")
 #   print_summary WIDTH            (the table; WIDTH: the step column's)
 #   log_environment OUT            (the GPU, its driver and power limit, and the commit, into OUT/environment.log)
+#   gpu_tests OUT SECONDS EXPR FILE...  (the files' gpu tests selected by -k EXPR, 12 workers, into OUT/tests.log;
+#                                  recorded as the step "tests")
 declare -a names statuses notes
 status=0
 record() {  # name, exit code, note
@@ -17,4 +19,14 @@ print_summary() {  # the step column's width
 log_environment() {  # the output folder
   { nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader
     git log -1 --format='commit %h %s' 2>/dev/null; } 2>&1 | tee "$1/environment.log"
+}
+gpu_tests() {  # output folder, timeout in seconds, -k expression, test files
+  local out=$1 seconds=$2 expression=$3 start
+  shift 3
+  start=$(date +%s)
+  timeout "$seconds" python3 -m pytest -q -n 12 -m gpu -p no:cacheprovider -W ignore "$@" -k "$expression" \
+    > "$out/tests.log" 2>&1
+  local rc=$?
+  tail -6 "$out/tests.log"
+  record tests $rc "$(tail -1 "$out/tests.log" | tr -d '=' | xargs) $(elapsed "$start")"
 }

@@ -91,17 +91,10 @@ def next_free(costs: list[float], sms: int) -> float:
 
 def persistent_counter(steps: list[int], sms: int, first_us: float, later_us: float, per_step_us: float) -> float:
     """Makespan of min(sms, tiles) CTAs taking tiles in order from a counter (CTA b starts with tile b): a CTA's first
-    tile pays `first_us` of fixed cost, every later one `later_us` (empty tiles: nothing but the counter)."""
-    if not steps:
-        return 0.0
-    free = [first_us + per_step_us * s for s in steps[:sms]]
-    end = max(free)
-    heapq.heapify(free)
-    for s in steps[sms:]:
-        finish = heapq.heappop(free) + (later_us + per_step_us * s if s else 0.0)
-        end = max(end, finish)
-        heapq.heappush(free, finish)
-    return end
+    tile pays `first_us` of fixed cost, every later one `later_us` (empty tiles: nothing but the counter). As
+    next_free, which also starts the first `sms` tiles one an SM and each later one on the SM that frees first."""
+    return next_free([(first_us if i < sms else later_us if s else 0.0) + per_step_us * s
+                      for i, s in enumerate(steps)], sms)
 
 
 def chunked(steps: list[int], sms: int, chunk: int, first_us: float, later_us: float, per_step_us: float) -> float:
