@@ -91,12 +91,15 @@ def _binding_traits(binding: str) -> dict[str, object]:
     ("transfusion", KernelConfig(64, "fp16", "sm_80", TileConfig(128, 64, 4, 2))),
     ("transfusion", KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128), forward_only=True)),
     ("bits_only", KernelConfig(64, "bf16", "sm_80", TileConfig(128, 64, 4, 2))),
+    ("transfusion", KernelConfig(64, "bf16", "sm_90a", resources.default_tile(64))),
     ("transfusion", KernelConfig(64, "bf16", "sm_90a", resources.default_tile(64),
-                                 options=HopperOptions(persistent_backward=True))),
+                                 options=HopperOptions(persistent_backward=0))),
+    ("transfusion", KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128),
+                                 options=HopperOptions(persistent_backward=2))),
     ("transfusion", KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256),
-                                 options=HopperOptions(persistent_backward=True))),
-], ids=["sm90-d128", "sm90-d256", "sm80-d64", "sm90-forward-only", "sm80-bits-only", "sm90-d64-persistent-backward",
-        "sm90-d256-persistent-backward"])
+                                 options=HopperOptions(persistent_backward=2))),
+], ids=["sm90-d128", "sm90-d256", "sm80-d64", "sm90-forward-only", "sm80-bits-only", "sm90-d64",
+        "sm90-d64-grid-backward", "sm90-d128-persistent-backward", "sm90-d256-persistent-backward"])
 def test_the_binding_exports_the_familys_traits(rules_name, config):
     """Each family states a variant's traits once (KernelFamily.traits); the binding's flags are rendered from that
     record, and launch.capabilities reads the same fields back from a module."""
@@ -120,8 +123,11 @@ def test_the_binding_exports_the_familys_traits(rules_name, config):
         assert not traits.has_backward and "forward-only" in traits.backward_problem
     # dQ staged by stmatrix (interleaved columns) in the Hopper backward; d256's split columns add it by atomics
     assert traits.dq_interleaved == (config.arch == "sm_90a" and config.head_dim != 256 and not config.forward_only)
-    # the persistent backward: where the option asks for it and the kernel has the writer warp (not d256's pairs)
-    asked = config.options is not None and getattr(config.options, "persistent_backward", False)
-    assert traits.persistent_backward == (asked and config.head_dim != 256)
+    # the persistent backward: where the option asks for it (1, the default: d64; 2: wherever it builds) and the
+    # kernel has the writer warp (not d256's pairs)
+    options = config.options if config.options is not None else HopperOptions()
+    mode = getattr(options, "persistent_backward", 0) if config.arch == "sm_90a" else 0
+    asked = mode == 2 or (mode == 1 and config.head_dim in resources.PERSISTENT_BACKWARD_HEAD_DIMS)
+    assert traits.persistent_backward == (asked and config.head_dim != 256 and not config.forward_only)
     if rules_name == "bits_only":
         assert traits.partial_bits

@@ -668,10 +668,11 @@ def test_sm90_prefetch_next_kv(case, head_dim):
 
 
 # ---- the atomic-order backward as a persistent grid taking its kv-tiles from a counter (the persistent_backward
-# option, off by default; d64 and d128): against float64 on attention sinks under GQA (256 columns, about two a CTA)
-# and plain text (96: one a CTA, and the counter's first value ends every loop); then on 8K tokens x 16 heads (2,048
-# columns, ~16 a CTA, empty ones among them from the padding) against the default module: dK and dV bit for bit
-# (each column's sums in the same order, whichever CTA walks it), dQ within the atomics' reordering.
+# option: on by default at d64; 2 runs it at d128 too): against float64 on attention sinks under GQA (256 columns,
+# about two a CTA) and plain text (96: one a CTA, and the counter's first value ends every loop); then on 8K tokens x
+# 16 heads (2,048 columns, ~16 a CTA, empty ones among them from the padding, whose dK and dV must still be written)
+# against the grid (persistent_backward=0): dK and dV bit for bit (each column's sums in the same order, whichever
+# CTA walks it), dQ within the atomics' reordering.
 
 PERSISTENT_BACKWARD_LAYOUTS = [
     "pad:300 text:2000 image:1024 text:1500 image:256 text:3112",
@@ -685,7 +686,7 @@ PERSISTENT_BACKWARD_LAYOUTS = [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_persistent_backward(case, head_dim):
     _skip_unless_family_runs("sm90")
-    options = {"persistent_backward": True}
+    options = {"persistent_backward": 2}
     assert _module(case[1], head_dim, "bf16", family="sm90", options=options).PERSISTENT_BACKWARD
     _check_option_as_default(case, head_dim, options)
 
@@ -695,8 +696,8 @@ def test_sm90_persistent_backward(case, head_dim):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_persistent_backward_many_columns(head_dim):
     _skip_unless_family_runs("sm90")
-    persistent = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"persistent_backward": True})
-    default = _module(TRANSFUSION, head_dim, "bf16", family="sm90")
+    persistent = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"persistent_backward": 2})
+    default = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"persistent_backward": 0})
     assert persistent.PERSISTENT_BACKWARD and not default.PERSISTENT_BACKWARD
     layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_BACKWARD_LAYOUTS])
     B, S, H = 2, layout.seq_len, 16

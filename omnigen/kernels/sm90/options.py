@@ -136,10 +136,12 @@ class HopperOptions(KernelOptions):
     prefetch_next_kv: bool = False
     # The atomic-order backward as a persistent grid (min(SMs, CTAs) CTAs taking kv-tile columns in the grid's order
     # from a counter): a CTA's launch, its loads before the first copy and the ring's fill paid once per SM rather than
-    # once per column, which short columns (documents, windows, packed samples) pay often: on paper -7.5% of causal
-    # documents' backward at D128 8K, -17% of packed Alpaca's, -1.7% of the causal mask's, if half the fixed cost per
-    # column hides. With the writer warp (d64, d128). Built and compiled, not yet run: off.
-    persistent_backward: bool = False
+    # once per column, which short columns (documents, windows, packed samples) pay often. With the writer warp (d64,
+    # d128). 1: at the head dims where it was measured faster (resources.PERSISTENT_BACKWARD_HEAD_DIMS: d64, fwd+bwd
+    # -0.8..-2.4% on causal documents, packed Alpaca, the windowed mask, causal and Transfusion at 8K and 32K, H200,
+    # paired); 2: wherever it builds (d128 too, where ptxas moves the consumers' wgmma descriptors off the uniform
+    # datapath inside any loop around the walk: +2..+4.7%); 0 (False): never ("Thirty-second session").
+    persistent_backward: int = 1
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
     backward_stages: int = 0
@@ -154,6 +156,9 @@ class HopperOptions(KernelOptions):
         if self.softmax_chains not in (0, 1, 2, 4, 8) or isinstance(self.softmax_chains, bool):
             out.append(f"option softmax_chains must be 1, 2, 4 or 8 (0: the head dim's default), "
                        f"not {self.softmax_chains!r}")
+        if self.persistent_backward not in (0, 1, 2):
+            out.append(f"option persistent_backward must be 1 (the head dim's choice), 2 (wherever it builds) or 0 "
+                       f"(never), not {self.persistent_backward!r}")
         if self.output_by_tma not in (0, 1, 2):
             out.append(f"option output_by_tma must be 1 (the head dim's choice), 2 (wherever a staging buffer fits) or "
                        f"0 (never), not {self.output_by_tma!r}")

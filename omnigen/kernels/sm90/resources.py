@@ -54,6 +54,9 @@ OUTPUT_BY_TMA_HEAD_DIMS = (128, 256)
 # accumulator beside dK, dV, the in-flight fragments and the next S^T made ptxas serialise every wgmma, C7512). d128
 # fwd+bwd -3.0..-3.5% (H200, paired: "dQ in turns at d128, in cuDNN's order").
 DQ_IN_TURNS_HEAD_DIMS = (64, 128)
+# Head dims whose atomic-order backward runs as a persistent grid under persistent_backward=1: d64, fwd+bwd -0.8..-2.4%
+# (H200, paired, "Thirty-second session"); not d128, whose consumers lose the uniform datapath in the loop (+2..+4.7%).
+PERSISTENT_BACKWARD_HEAD_DIMS = (64,)
 # The Hopper backward's producer warpgroup's registers a thread (setmaxnreg; the backward_producer_registers option
 # moves them). The consumers take the rest of the pool, the launch's 168 a thread x 384 threads: 128 x 24 + 256 x 240
 # = 64,512 (Resources.hopper_consumer_registers).
@@ -232,9 +235,13 @@ class Resources:
     @property
     def hopper_persistent_backward(self) -> bool:
         """Whether the atomic-order Hopper backward runs as a persistent grid taking its kv-tiles from a counter (the
-        persistent_backward option): with the writer warp and a sectioned grid, not with paired dQ (d64, d128)."""
+        persistent_backward option: 1 at PERSISTENT_BACKWARD_HEAD_DIMS, 2 wherever it builds): with the writer warp and
+        a sectioned grid, not with paired dQ (d64, d128)."""
+        mode = self.options.persistent_backward
+        if mode == 0 or (mode == 1 and self.config.head_dim not in PERSISTENT_BACKWARD_HEAD_DIMS):
+            return False
         # (not hopper_dq_writer: its backward_problems() asks for the shared memory, which asks for this)
-        return (self.options.persistent_backward and self.options.dq_writer and not self.hopper_split_columns
+        return (self.options.dq_writer and not self.hopper_split_columns
                 and self.atomic_section_pairs > 0 and not self.hopper_paired_dq)
 
     @property
