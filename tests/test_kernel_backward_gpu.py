@@ -653,20 +653,6 @@ def test_sm90_leading_kv_tiles(case, head_dim, leading):
     _check_option_as_default(case, head_dim, {"leading_kv_tiles": leading})
 
 
-# ---- K and V of a later CTA fetched into L2 as a CTA starts (the prefetch_next_kv option, off by default; atomic order
-# only, not with d256's pairs): a hint that must change nothing. Against float64 on attention sinks under GQA (256 CTAs:
-# the CTA a multiprocessor count later exists for about half of them) and on plain text (96 CTAs: none has one).
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("case", LEADING_CASES, ids=lambda c: c[0])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_prefetch_next_kv(case, head_dim):
-    _skip_unless_family_runs("sm90")
-    _check_option_as_default(case, head_dim, {"prefetch_next_kv": True})
-
-
 # ---- the atomic-order backward as a persistent grid taking its kv-tiles from a counter (the persistent_backward
 # option: on by default at d64; 2 runs it at d128 too): against float64 on attention sinks under GQA (256 columns,
 # about two a CTA) and plain text (96: one a CTA, and the counter's first value ends every loop); then on 8K tokens x

@@ -410,8 +410,7 @@ def test_sm90_persistent_forward_fewer_tiles_than_sms(case, persistent_variants)
 # (leading_q_tiles, at most 2 by default), sections sized so that the last one is not a sliver (balanced_sections, on).
 # Which CTA takes a work tile changes, what the tile computes does not, so the output is the default module's bit for
 # bit; the many-tile layouts (8K tokens, 2 x 16 heads: more tiles than SMs, several sections), both grids, and
-# attention sinks, whose first two rows lead. The next tile's Q fetched into L2 ahead (prefetch_next_q) changes
-# nothing either.
+# attention sinks, whose first two rows lead.
 
 
 @pytest.mark.parametrize("head_dim,persistent,options", [
@@ -419,9 +418,8 @@ def test_sm90_persistent_forward_fewer_tiles_than_sms(case, persistent_variants)
     (64, True, {"leading_q_tiles": 1}), (256, True, {"leading_q_tiles": 0}), (256, False, {"leading_q_tiles": 3}),
     (128, True, {"balanced_sections": False}), (128, False, {"balanced_sections": False}),
     (64, True, {"balanced_sections": False, "leading_q_tiles": 0}),
-    (64, True, {"prefetch_next_q": True}), (128, True, {"prefetch_next_q": True}),
 ], ids=["d128-lead0", "d128-grid-lead1", "d128-lead3", "d64-lead1", "d256-lead0", "d256-grid-lead3", "d128-unbalanced",
-        "d128-grid-unbalanced", "d64-unbalanced-lead0", "d64-prefetch-q", "d128-prefetch-q"])
+        "d128-grid-unbalanced", "d64-unbalanced-lead0"])
 @pytest.mark.parametrize("rules,layout_texts", [(TRANSFUSION, PERSISTENT_LAYOUTS), (SINKS, SINK_LAYOUTS_8192)],
                          ids=["transfusion", "sinks"])
 def test_sm90_forward_tile_order_options_give_the_default_bits(head_dim, persistent, options, rules, layout_texts):

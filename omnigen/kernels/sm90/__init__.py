@@ -105,12 +105,10 @@ class Sm90Family(KernelFamily):
             "dq_writer": r.hopper_dq_writer,
             "dq_in_turns": r.hopper_dq_in_turns,
             "bits_slot_in_tables": o.bits_slot_in_tables,
-            "prefetch_next_kv": o.prefetch_next_kv,
             "persistent_backward": r.hopper_persistent_backward,
             "leading_kv_tiles": o.leading_kv_tiles,
             "leading_q_tiles": o.leading_q_tiles,
             "balanced_sections": o.balanced_sections,
-            "prefetch_next_q": o.prefetch_next_q,
             # GQA in atomic mode: each query head adds its dK/dV into its group's fp32 rows (the binding's GROUP_DKDV)
             "group_dkdv": not problems,
             # dQ staged by stmatrix, its fp32 columns interleaved in groups of 8 (split columns add it by atomics)

@@ -58,11 +58,6 @@ class HopperOptions(KernelOptions):
     # mask -3.7% / -3.8% at 4K / 8K, Transfusion -2.1%, d64 -0.1..-1.0% (H200; on paper -3.3% / -4.1%); nothing
     # where the sections already divide the pairs ("Thirtieth session: the tile-order options, run").
     balanced_sections: bool = True
-    # The persistent forward's producer asks L2 for the next work tile's Q as soon as it has the tile, a ring's depth
-    # of steps ahead of the copy that waits for the consumers to finish with Q's one buffer: that copy's DRAM latency
-    # sits between two tiles' products once per tile. Built and compiled (no change to the consumers' code), not yet
-    # timed: off.
-    prefetch_next_q: bool = False
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,
@@ -129,11 +124,6 @@ class HopperOptions(KernelOptions):
     # within -0.6..+0.7% on an H200, the reloads were off the critical path ("The backward producer's registers";
     # "Thirtieth session: the tile-order options, run").
     backward_producer_registers: int = 0
-    # The backward's producer asks L2 for the K and V of the CTA a multiprocessor count later in the atomic-order
-    # sectioned grid, once its own copies are issued, so that the CTA starting as one of this wave ends reads its first
-    # K and V from L2 rather than DRAM: a part of the fixed cost per CTA (about 4 us at d128) that masks of short
-    # columns pay often. Built and compiled (no change to the consumers' code), not yet timed: off.
-    prefetch_next_kv: bool = False
     # The atomic-order backward as a persistent grid (min(SMs, CTAs) CTAs taking kv-tile columns in the grid's order
     # from a counter): a CTA's launch, its loads before the first copy and the ring's fill paid once per SM rather than
     # once per column, which short columns (documents, windows, packed samples) pay often. With the writer warp (d64,

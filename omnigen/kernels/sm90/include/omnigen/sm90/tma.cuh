@@ -32,21 +32,6 @@ __device__ __forceinline__ void load_box(void* destination, const CUtensorMap* m
       : "memory");
 }
 
-// One box [rows][64] at (column, row, head, batch) fetched into L2 only (no shared memory, no barrier): for a copy
-// that some CTA will make later, so that it then reads L2 instead of DRAM.
-__device__ __forceinline__ void prefetch_box(const CUtensorMap* map, int column, int row, int head, int batch) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
-               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(head), "r"(batch)
-               : "memory");
-}
-
-// How many multiprocessor ids the GPU has (%nsmid; the ids need not be contiguous, so at least its multiprocessors).
-__device__ __forceinline__ int multiprocessor_ids() {
-  uint32_t count;
-  asm("mov.u32 %0, %%nsmid;\n" : "=r"(count));
-  return int(count);
-}
-
 // `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) into shared memory, completing
 // on `barrier` like a tensor copy: how the producer brings a kv-tile's per-token tables along.
 __device__ __forceinline__ void load_bytes(void* destination, const void* source, uint32_t bytes, uint64_t* barrier) {
