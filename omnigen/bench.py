@@ -253,8 +253,8 @@ def measure(work: Workload, *, seed: int = 0, rounds: int = 6, reps: int = 3, on
             settle_ms: float = timing.BENCH_SETTLE_MS) -> tuple[list[dict], list[dict]]:
     """Rows and skips for one workload: every peer warmed up, then all timed round-robin, forward and
     forward+backward."""
-    step = on_step or (lambda _label: None)
     B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
+    step = _labelled(on_step, f"{work.rules.name} D{D} S{S}")
     q, k, v, d_out = random_inputs(B, H, S, D, seed, work.heads_kv, work.dtype)
     try:
         candidates, skipped = peers(work, q, k, v, only)
@@ -394,13 +394,20 @@ def tensor_mib(obj: Any) -> float:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values()) / 2**20
 
 
+def _labelled(on_step: Callable[[str], None] | None, shape: str) -> Callable[[str], None]:
+    """on_step with the workload named in each label ("causal_documents D128 S8192: masks made"); a no-op without."""
+    if on_step is None:
+        return lambda _label: None
+    return lambda label: on_step(f"{shape}: {label}")
+
+
 def measure_mask(work: MaskWorkload, *, seed: int = 0, rounds: int = 6, reps: int = 3,
                  only: tuple[str, ...] = MASK_PEERS, on_step: Callable[[str], None] | None = None,
                  settle_ms: float = timing.BENCH_SETTLE_MS) -> tuple[list[dict], list[dict]]:
     """Rows and skips for one mask workload: the masks made and timed (omnigen's mask_from_mod, FlexAttention's
     create_block_mask, same mod), then both attentions timed as `measure` times the rules' peers."""
-    step = on_step or (lambda _label: None)
     B, S, D, H = work.batch, work.seq_len, work.dim, work.heads
+    step = _labelled(on_step, f"{work.mask} D{D} S{S}")
     skipped: list[dict] = []
 
     def skip(name: str, reason: str) -> None:
@@ -488,7 +495,7 @@ def run_masks(masks: list[str] | tuple[str, ...], *, dims=DEFAULT_DIMS, sizes=DE
                 result.skipped.append({"impl": "tile_cost", "D": shape.dim, "S": shape.seq_len, "B": shape.batch,
                                        "reason": _first_line(exc)})
             if on_step:
-                on_step("tile cost timed")
+                on_step(f"{shape.mask} D{shape.dim} S{shape.seq_len}: tile cost timed")
         for row in rows:
             if on_row:
                 on_row(row)

@@ -117,7 +117,9 @@ def _worker_cases(rank: int, world: int) -> None:
 def _worker(rank: int, world: int, port: int, queue) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    # A generous timeout: on a 2-core machine busy with other work a rank can fall minutes behind its peer, and a gloo
+    # timeout ends the process from a worker thread (SIGABRT, "terminate called without an active exception").
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         _worker_cases(rank, world)
         queue.put((rank, "ok"))

@@ -3,7 +3,7 @@ the user's mask_mod) against FlexAttention on the same mask_mod (the library's o
 
 from __future__ import annotations
 
-import sys
+import json
 
 import click
 
@@ -12,6 +12,7 @@ from ..rules import Rules
 from ..tune import layouts as tune_layouts
 from ..tune import timing as tune_timing
 from .app import UserError, cli, user_errors
+from .progress import progress
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
@@ -128,11 +129,30 @@ def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tup
     if not torch.cuda.is_available():
         raise UserError("omnigen bench needs a CUDA GPU to time on, and none is visible here")
     steps = library.count_steps(rules, dim_list, size_list, tokens, layouts)
-    with click.progressbar(length=steps, label="benchmarking", file=sys.stderr, show_pos=True) as bar:
+    partial = _PartialJson(json_path, {"rules": rules.name})
+    with progress(steps, "benchmarking") as bar:
         result = library.run(rules, dims=dim_list, sizes=size_list, tokens=tokens, heads=heads, seed=seed,
                              layouts=layouts, rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
-                             on_step=lambda _label: bar.update(1), heads_kv=heads_kv, dtype=dtype)
+                             on_step=lambda label: bar.update(1, label), on_row=partial.add, heads_kv=heads_kv,
+                             dtype=dtype)
     _report(result, json_path, png_path)
+
+
+class _PartialJson:
+    """With --json FILE, the rows timed so far written to FILE as each arrives ("partial": true), so that a run
+    stopped part-way (a time limit, an out-of-memory peer) keeps what it measured; the whole result replaces it."""
+
+    def __init__(self, json_path: str | None, info: dict) -> None:
+        self.path = json_path if json_path and json_path != "-" else None
+        self.info = {**info, "partial": True}
+        self.rows: list[dict] = []
+
+    def add(self, row: dict) -> None:
+        if self.path is None:
+            return
+        self.rows.append(row)
+        with open(self.path, "w") as handle:
+            json.dump({"info": self.info, "rows": self.rows}, handle, indent=1)
 
 
 def _names(text: str | None) -> list[str]:
@@ -148,11 +168,12 @@ def _bench_masks(specs: tuple[str, ...], dims: tuple[int, ...], sizes: tuple[int
     if not torch.cuda.is_available():
         raise UserError("omnigen bench needs a CUDA GPU to time on, and none is visible here")
     steps = library.count_mask_steps(specs, dims, sizes, tile_cost)
-    with click.progressbar(length=steps, label="benchmarking masks", file=sys.stderr, show_pos=True) as bar:
+    partial = _PartialJson(json_path, {"masks": list(specs)})
+    with progress(steps, "benchmarking masks") as bar:
         result = library.run_masks(specs, dims=dims, sizes=sizes, tokens=tokens, heads=heads, seed=seed,
                                    rounds=rounds, reps=reps, only=peers, settle_ms=settle_ms,
-                                   on_step=lambda _label: bar.update(1), tile_cost=tile_cost, heads_kv=heads_kv,
-                                   dtype=dtype)
+                                   on_step=lambda label: bar.update(1, label), on_row=partial.add,
+                                   tile_cost=tile_cost, heads_kv=heads_kv, dtype=dtype)
     _report(result, json_path, png_path)
 
 

@@ -19,6 +19,7 @@ from ..kernels.registry import describe_backward
 from ..rules import Rules
 from ..targets import KernelConfig, KernelSpec
 from .app import UserError, cli, user_errors
+from .progress import progress
 
 
 def _human_bytes(count: int) -> str:
@@ -115,15 +116,14 @@ def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache
     if not missing:
         return cache.build_variants(variants, jobs=jobs)
     # Three compile/link steps per variant; ninja reports finished steps of the whole graph.
-    with click.progressbar(length=3 * len(missing), label=f"building {len(missing)} variant(s)",
-                           show_pos=True) as bar:
+    with progress(3 * len(missing), f"building {len(missing)} variant(s)") as bar:
         done = [0]
 
-        def progress(finished: int, total: int, _description: str) -> None:
-            bar.update(max(0, finished - done[0]))
+        def advance(finished: int, total: int, description: str) -> None:
+            bar.update(max(0, finished - done[0]), description)
             done[0] = finished
 
-        return cache.build_variants(variants, jobs=jobs, on_progress=progress, keep_going=keep_going)
+        return cache.build_variants(variants, jobs=jobs, on_progress=advance, keep_going=keep_going)
 
 
 @cli.command()
@@ -253,7 +253,7 @@ def _tune(job, results: list[cache.BuildResult], rounds: int | None, retune: boo
         click.echo(f"tuning on {job.device.gpu} (sm {job.device.capability}, nvcc {job.device.nvcc}): "
                    f"{sum(len(s.candidates) for s in job.spaces)} candidate(s), {len(job.layouts)} sequence bucket(s), "
                    f"{job.workload['layouts']} layouts, {rounds} rounds x {tune_timing.DEFAULT_REPS} runs")
-        with click.progressbar(length=tuner.count_steps(job, rounds), label="timing candidates", show_pos=True) as bar:
+        with progress(tuner.count_steps(job, rounds), "timing candidates") as bar:
             entries = tuner.measure(job, rounds=rounds, on_step=bar.update)
     for key in sorted(entries, key=lambda k: (entries[k]["dtype"], entries[k]["head_dim"], entries[k]["seq_bucket"])):
         click.echo("")
