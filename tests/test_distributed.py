@@ -117,8 +117,9 @@ def _worker_cases(rank: int, world: int) -> None:
 def _worker(rank: int, world: int, port: int, queue) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    # A generous timeout: on a 2-core machine busy with other work a rank can fall minutes behind its peer, and a gloo
-    # timeout ends the process from a worker thread (SIGABRT, "terminate called without an active exception").
+    # A generous timeout: on a 2-core machine busy with other work a rank can fall minutes behind its peer. (A rank
+    # aborted there with "terminate called without an active exception" under 120 s; whether gloo's timeout was the
+    # cause is not known: if it recurs with 600 s, it was not.)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         _worker_cases(rank, world)
