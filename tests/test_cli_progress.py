@@ -62,3 +62,13 @@ def test_bench_json_to_stdout_or_none_writes_no_partial_file(tmp_path, monkeypat
         partial = _PartialJson(path, {})
         partial.add({"impl": "omnigen"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_log_takes_a_longer_total_once_known():
+    stream, clock = io.StringIO(), Clock()
+    bar = LogProgress(12, "building 4 variant(s)", stream, interval=0.0, clock=clock)
+    bar.grow(16)
+    bar.update(16, "link transfusion")
+    assert stream.getvalue().splitlines()[-1] == "building 4 variant(s): 16/16 link transfusion (0 s)"
+    bar.grow(10)  # never shrinks
+    assert bar.length == 16

@@ -53,6 +53,8 @@ FP8 = KernelConfig(head_dim=128, dtype="e4m3", arch="sm_90a", tile=TileConfig(12
 FP8_WIDE = dataclasses.replace(FP8, tile=TileConfig(128, 192, 12, 2))
 ORDERED = with_options(KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2)),
                        early_scores=False, dq_writer=False, ordered_section_pairs=0, atomic_section_pairs=0)
+# The default d64 variant: its atomic-order backward is the persistent one (the producer's and writer's column loops).
+DEFAULT_D64 = KernelConfig(head_dim=64, dtype="bf16", arch="sm_90a", tile=TileConfig(128, 128, 12, 2))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,7 +175,8 @@ def built(tmp_path_factory):
     os.environ["OMNIGEN_CACHE_DIR"] = str(directory)
     try:
         variants = [cache.variant(RULES, config)
-                    for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD, FP8, FP8_WIDE)]
+                    for config in (SM80, SM90A, OTHER_SCHEDULING, SPLIT, ORDERED, SM80_FORWARD, FP8, FP8_WIDE,
+                                   DEFAULT_D64)]
         results = cache.build_variants(variants)
         yield directory, results
     finally:
@@ -187,14 +190,15 @@ def built(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_build_sm80_and_sm90a_and_read_metadata(built):
     directory, results = built
-    assert [r.built for r in results] == [True] * 8
-    # The sm90 forward's other options, the split-columns (d256) Hopper backward and the d64 one with its step and
-    # grid options off: compiled, within the spill allowances.
-    for result in results[2:5]:
+    assert [r.built for r in results] == [True] * 9
+    # The sm90 forward's other options, the split-columns (d256) Hopper backward, the d64 one with its step and grid
+    # options off and the default d64 one (persistent): compiled, within the spill allowances.
+    for result in results[2:5] + results[8:]:
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(SM90A).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
     assert sum("hopper_dkdv_kernel" in name for name in results[3].meta["ptxas"]["kernels"]) == 1
     assert sum("hopper_dkdv_kernel" in name for name in results[4].meta["ptxas"]["kernels"]) == 2  # both orders
+    assert cache.get_module(RULES, DEFAULT_D64).PERSISTENT_BACKWARD
     for result, config in zip(results, (SM80, SM90A)):
         kernels_built = result.meta["ptxas"]["kernels"]
         assert not any(family_of(config).excess_spill_bytes(n, k) for n, k in kernels_built.items()), kernels_built
@@ -293,7 +297,7 @@ def test_compiler_error_shows_everything(tmp_path, monkeypatch):
 @pytest.mark.nvcc
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_cli_on_a_built_cache(built, tmp_path):
-    directory, _ = built
+    directory, results = built
     rules_file = tmp_path / "buildtest.yaml"
     rules_file.write_text(RULES.to_yaml() + "kernel:\n  head_dims: [64]\n  tiles: [{block_m: 64, block_n: 64, warps: 4, stages: 2}]\n")
     runner = CliRunner()
@@ -304,13 +308,13 @@ def test_cli_on_a_built_cache(built, tmp_path):
     assert "buildtest_bf16_d64_m64n64w4s2_sm_80_" in result.output and "not in the cache" not in result.output
     assert "built at" in result.output
     listed = runner.invoke(cli, ["cache", "list"], env=env)
-    assert listed.exit_code == 0 and "buildtest" in listed.output and "8 module(s)" in listed.output
+    assert listed.exit_code == 0 and "buildtest" in listed.output and f"{len(results)} module(s)" in listed.output
 
 
 @pytest.mark.nvcc
 @pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
 def test_cli_build_cached_tune_and_clear(built, tmp_path):
-    directory, _ = built
+    directory, results = built
     rules_file = tmp_path / "buildtest.yaml"
     rules_file.write_text(RULES.to_yaml())
     runner = CliRunner()
@@ -334,5 +338,5 @@ def test_cli_build_cached_tune_and_clear(built, tmp_path):
     assert (out / "buildtest" / "buildtest_mask.cuh").is_file()
     assert inspected.exit_code == 0 and "built:" in inspected.output and "spills st/ld 0/0 B" in inspected.output
     cleared = runner.invoke(cli, ["cache", "clear"], env=env)
-    assert cleared.exit_code == 0 and "removed 8 module(s)" in cleared.output
+    assert cleared.exit_code == 0 and f"removed {len(results)} module(s)" in cleared.output
     assert runner.invoke(cli, ["cache", "list"], env=env).output.strip().endswith("empty")

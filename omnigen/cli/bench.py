@@ -63,7 +63,9 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
               help="With --mask / --mask-mod: also time each mask with every visited tile partial (read from bits) "
                    "against every visited tile full, same tiles and order: what a partial tile costs over a full one.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--json", "json_path", metavar="FILE", help="Also write the rows and skips as JSON to FILE ('-': stdout).")
+@click.option("--json", "json_path", metavar="FILE",
+              help="Also write the rows and skips as JSON to FILE ('-': stdout). The rows timed so far are in FILE "
+                   "while the run goes (\"partial\": true), so a run stopped early keeps them.")
 @click.option("--png", "png_path", metavar="FILE", help="Also plot effective TFLOP/s against S to FILE. Needs matplotlib.")
 @user_errors
 def bench_command(rules_path: str | None, mask_names: str | None, mask_mods: tuple[str, ...],

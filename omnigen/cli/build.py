@@ -115,11 +115,13 @@ def _build_all(variants: list, jobs: int | None, keep_going: bool) -> list[cache
     missing = [v for v in variants if cache.entry_problem(v.entry, v.key) is not None]
     if not missing:
         return cache.build_variants(variants, jobs=jobs)
-    # Three compile/link steps per variant; ninja reports finished steps of the whole graph.
+    # About three compile/link steps per variant (more with a backward file); ninja reports finished steps of the
+    # whole graph and its total, which the bar takes once it is known.
     with progress(3 * len(missing), f"building {len(missing)} variant(s)") as bar:
         done = [0]
 
         def advance(finished: int, total: int, description: str) -> None:
+            bar.grow(total)
             bar.update(max(0, finished - done[0]), description)
             done[0] = finished
 

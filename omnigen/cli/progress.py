@@ -30,6 +30,10 @@ class LogProgress:
         self.printed_at: float | None = None
         print(f"{label}: {length} step(s)", file=stream, flush=True)
 
+    def grow(self, length: int) -> None:
+        """More steps than first counted (ninja's graph, known once it runs)."""
+        self.length = max(self.length, length)
+
     def update(self, steps: int = 1, what: str = "") -> None:
         self.done += steps
         now = self.clock()
@@ -45,6 +49,9 @@ class _BarProgress:
     def __init__(self, bar) -> None:
         self.bar = bar
 
+    def grow(self, length: int) -> None:
+        self.bar.length = max(self.bar.length, length)
+
     def update(self, steps: int = 1, what: str = "") -> None:
         self.bar.update(steps)
 
@@ -52,7 +59,8 @@ class _BarProgress:
 @contextmanager
 def progress(length: int, label: str, stream: TextIO | None = None) -> Iterator[LogProgress | _BarProgress]:
     """A progress report of `length` steps: `.update(steps=1, what="")` as each ends (what: a few words on it,
-    shown in a log only). A bar on a terminal, lines otherwise; on standard error unless `stream` says."""
+    shown in a log only), `.grow(length)` where more steps turn up. A bar on a terminal, lines otherwise; on
+    standard error unless `stream` says."""
     stream = stream or sys.stderr
     if stream.isatty():
         with click.progressbar(length=length, label=label, file=stream, show_pos=True) as bar:
