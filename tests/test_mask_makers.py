@@ -391,9 +391,9 @@ def test_mod_errors():
 
 
 def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeypatch):
-    """compile_mod=True sends the slabs (not the probe or the head sample) through torch.compile; on the CPU here with
-    Dynamo's eager backend (the GPU tests run Inductor's kernels). A mod that fails to compile is evaluated eagerly,
-    with a warning, and gives the same mask."""
+    """compile_mod=True sends the slabs and the head sample through torch.compile; on the CPU here with Dynamo's eager
+    backend (the GPU tests run Inductor's kernels). A mod that fails to compile is evaluated eagerly, with a warning,
+    and gives the same mask."""
     from omnigen.plan import from_mod
 
     compiled_calls = []
@@ -419,6 +419,8 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
         assert not compiled_calls
         compiled = omnigen.mask_from_mod(made.mask_mod, 2, 300, "cpu", tiles=TILES, compile_mod=True)
         assert any(shape[-1] == 300 for shape in compiled_calls)  # slabs: every key
+        # the head sample, once for each of two heads, at one shape whatever S
+        assert compiled_calls.count((2, from_mod.HEAD_SAMPLE, from_mod.HEAD_SAMPLE)) == 2
         compiled_calls.clear()
         _same(compiled, eager)
     # one evaluator per mod code and shape of the index tensors: closures remade per call share them
@@ -441,6 +443,11 @@ def test_compiled_mod_gives_the_eager_mask_and_falls_back_with_a_warning(monkeyp
     assert compiled_kinds == [{"dynamic": False}] * 2 + [{"dynamic": True}]
     qk_code = catalogue_mask("qk_sparse", 1, 40).mask_mod.__code__
     assert sorted(shapes is None for code, shapes in from_mod._COMPILED if code == qk_code) == [False, False, True]
+
+    # compiled, the head sample still finds a mod that depends on h (and below HEAD_SAMPLE tokens)
+    for S in (40, 300):
+        _raises("depends on the head h", omnigen.mask_from_mod, lambda b, h, q, k: (q >= k) & (h == 0), 2, S, "cpu",
+                tiles=TILES, compile_mod=True)
 
     attempts = []
 

@@ -68,9 +68,10 @@ def _evaluate(mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k
 # its flat index by run-time sizes per element -- random eviction at 32K took 15.5 ms a mask so against 7.1 static on
 # an H200 (RESULTS.md, thirty-first session). Why copies at all: Dynamo's cache and its recompile limit (8) are per
 # code object, so one shared `_evaluate` would stop compiling after eight mods or shapes. A mask at one S compiles one
-# or two shapes (its slabs, a shorter last slab); past STATIC_SHAPES shapes of one code (S changing from step to
-# step) one copy compiled for dynamic shapes takes every further shape, so that a new S no longer costs a compilation.
-STATIC_SHAPES = 6
+# or two shapes (its slabs, a shorter last slab), and the head sample one shape for every S (of batches of up to 4);
+# past STATIC_SHAPES shapes of one code (S changing from step to step: three S, then) one copy compiled for dynamic
+# shapes takes every further shape, so that a new S no longer costs a compilation.
+STATIC_SHAPES = 7
 _COMPILED: dict[tuple[object, tuple | None], Callable] = {}  # (code, shapes); shapes None: the dynamic copy
 # Mod codes whose compilation failed: evaluated eagerly from then on, warned about once.
 _NOT_COMPILED: set[object] = set()
@@ -174,14 +175,17 @@ def _head_sample(mod: _Mod, batches: torch.Tensor, S: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(positions, mask with h = 0, mask with h = 1) at a sample of positions (`batches`: arange(B) on `device`):
     launches only, nothing read back, so on a GPU it can run under the slabs' work (`_check_heads` reads it)."""
-    count = min(S, HEAD_SAMPLE)
-    # Evenly spread, distinct positions made on the device: a copy from pageable host memory would wait for the stream.
-    positions = torch.arange(count, device=device) * (S - 1) // max(1, count - 1)
+    # HEAD_SAMPLE evenly spread positions whatever S (repeated below HEAD_SAMPLE tokens), so that the sample has one
+    # shape for every S and a compiled mod one evaluator for it; made on the device, since a copy from pageable host
+    # memory would wait for the stream.
+    positions = torch.arange(HEAD_SAMPLE, device=device) * (S - 1) // (HEAD_SAMPLE - 1)
     b = batches[:4, None, None]
     q, kv = positions[None, :, None], positions[None, None, :]
-    # Eagerly: a compiled evaluator of these shapes would cost a compilation for 2 x 4 x 96^2 pairs.
+    # Through the mod's compiled evaluator where it has one: eagerly, every operation of the mod was a launch, twice
+    # (MEDUSA's tree, 7 levels of ancestors: ~100 launches, 2.6 ms of a 5.8 ms mask at 8K x 4 on an H200's host,
+    # RESULTS.md, thirty-third session); compiled, two. The price: one more compilation on a mod's first call.
     ones = torch.ones((), dtype=torch.int64, device=device)
-    return positions, mod(b, q, kv, eager=True), mod(b, q, kv, ones, eager=True)
+    return positions, mod(b, q, kv), mod(b, q, kv, ones)
 
 
 def _check_heads(positions: torch.Tensor, first: torch.Tensor, other: torch.Tensor) -> None:
