@@ -587,8 +587,8 @@ def make_backend(name: str, rules: omnigen.Rules, cfg: ModelConfig, device: torc
 
 # Kernel names per backend: (backward, forward) regular expressions, searched in the demangled name.
 #   omnigen: the generated modules' kernels (namespace omnigen_rules_<rules>; sm90: forward_kernel,
-#     hopper_dkdv_kernel; sm80: dkdv_kernel, dq_kernel; both: delta_kernel, launched by backward_delta).
-#     dQ's fp32->bf16 cast and the GQA sum of dK/dV partials are PyTorch kernels: counted in "rest".
+#     hopper_dkdv_kernel; sm80: dkdv_kernel, dq_kernel; both: delta_kernel before them and convert_kernel after
+#     them, which writes the fp32 dQ (and GQA's grouped dK/dV) out in the element type).
 #   flex: Inductor names its template kernels after the higher-order op: triton_tem_fused_flex_attention_N
 #     and triton_tem_fused_flex_attention_backward_N. The backward's sum(dO * O) is an ordinary fused
 #     reduction (triton_per_fused_..._mul_sum_N): "rest".
@@ -597,7 +597,7 @@ def make_backend(name: str, rules: omnigen.Rules, cfg: ModelConfig, device: torc
 _SDPA = (r"fmha_cutlassB|AttentionBackwardKernel|flash_bwd|bprop|dot_do_o|convert_dq",
          r"fmha_cutlassF|AttentionKernel<|flash_fwd|fprop")
 KERNEL_PATTERNS = {
-    "omnigen": (r"\b(hopper_dkdv_kernel|dkdv_kernel|dq_kernel|delta_kernel)\b", r"\bforward_kernel\b"),
+    "omnigen": (r"\b(hopper_dkdv_kernel|dkdv_kernel|dq_kernel|delta_kernel|convert_kernel)\b", r"\bforward_kernel\b"),
     "flex": (r"flex_attention_backward", r"flex_attention"),
     "sdpa_dense": _SDPA,
     "cudnn_causal": _SDPA,

@@ -184,6 +184,7 @@ def test_kernel_classes():
     assert classify("omnigen", "void omnigen_rules_transfusion::forward_kernel<true>(TensorMaps)") == "attn_fwd"
     assert classify("omnigen", "void omnigen_rules_transfusion::hopper::hopper_dkdv_kernel<false>(...)") == "attn_bwd"
     assert classify("omnigen", "void omnigen_rules_transfusion::backward::delta_kernel(DeltaArgs)") == "attn_bwd"
+    assert classify("omnigen", "void omnigen::convert_kernel<__nv_bfloat16, 128>(omnigen::ConvertArgs)") == "attn_bwd"
     assert classify("flex", "triton_tem_fused_flex_attention_0") == "attn_fwd"
     assert classify("flex", "triton_tem_fused_flex_attention_backward_zeros_1") == "attn_bwd"
     assert classify("flex", "triton_tem_fused_0") == "unclassified"
