@@ -106,19 +106,19 @@ class _Mod:
     """The user's mod, called on broadcasting index tensors, its result checked and made a bool block.
 
     `compiled`: calls go through the mod's compiled evaluator for their shapes (eagerly again where it fails: the
-    eager call tells the mod's own faults from the compiler's); `eager=True` skips it for one call."""
+    eager call tells the mod's own faults from the compiler's)."""
 
     def __init__(self, mod: MaskMod, device: torch.device, compiled: bool = False) -> None:
         self.mod, self.device, self.compiled = mod, device, compiled
         self.h = torch.zeros((), dtype=torch.int64, device=device)
 
-    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, h: torch.Tensor | None = None,
-                 eager: bool = False) -> torch.Tensor:
+    def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                 h: torch.Tensor | None = None) -> torch.Tensor:
         shape = torch.broadcast_shapes(b.shape, q.shape, kv.shape)
         h = self.h if h is None else h
         out = failure = None
         evaluator = None
-        if self.compiled and not eager:
+        if self.compiled:
             evaluator = _compiled_evaluator(self.mod, (tuple(b.shape), tuple(q.shape), tuple(kv.shape)))
         if evaluator is not None:
             try:
