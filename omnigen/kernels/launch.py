@@ -21,8 +21,7 @@ class VariantTraits:
     """What a variant's module does besides the launches every module has. Its family states them when the variant
     is rendered (`KernelFamily.traits`), the binding exports them as the module's attributes (HAS_BACKWARD,
     BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED, PERSISTENT_BACKWARD,
-    DQ_FIRST_STORE), and
-    `capabilities` reads them back."""
+    DQ_FIRST_STORE), and `capabilities` reads them back."""
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
