@@ -682,6 +682,17 @@ def test_sm90_persistent_backward(case, head_dim):
     _check_option_as_default(case, head_dim, options)
 
 
+def _many_columns_problem(module, head_dim: int):
+    """PERSISTENT_BACKWARD_LAYOUTS (B = 2, 8K tokens, padding at either end) with 16 heads: (plan for `module`'s tile,
+    (q, k, v, d_o), o, lse, scale), the forward run by `module`."""
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_BACKWARD_LAYOUTS])
+    q, k, v, d_o = _inputs(2, 16, 16, layout.seq_len, head_dim, torch.bfloat16, strided=False)
+    scale = 1.0 / math.sqrt(head_dim)
+    plan = omnigen.plan(TRANSFUSION, layout, block_m=module.BLOCK_M, block_n=module.BLOCK_N, device="cuda")
+    o, lse = run_forward(module, plan, q, k, v, scale)
+    return plan, (q, k, v, d_o), o, lse, scale
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -690,12 +701,7 @@ def test_sm90_persistent_backward_many_columns(head_dim):
     persistent = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"persistent_backward": 2})
     default = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"persistent_backward": 0})
     assert persistent.PERSISTENT_BACKWARD and not default.PERSISTENT_BACKWARD
-    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_BACKWARD_LAYOUTS])
-    B, S, H = 2, layout.seq_len, 16
-    q, k, v, d_o = _inputs(B, H, H, S, head_dim, torch.bfloat16, strided=False)
-    scale = 1.0 / math.sqrt(head_dim)
-    plan = omnigen.plan(TRANSFUSION, layout, block_m=default.BLOCK_M, block_n=default.BLOCK_N, device="cuda")
-    o, lse = run_forward(default, plan, q, k, v, scale)
+    plan, (q, k, v, d_o), o, lse, scale = _many_columns_problem(default, head_dim)
     delta = run_delta(default, o, d_o)
     ours = run_backward(persistent, plan, q, k, v, o, lse, d_o, delta, scale)
     expected = run_backward(default, plan, q, k, v, o, lse, d_o, delta, scale)
@@ -738,12 +744,8 @@ def test_sm90_dq_first_store_through_the_passes(head_dim):
     first = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"dq_first_store": True})
     default = _module(TRANSFUSION, head_dim, "bf16", family="sm90")
     assert first.DQ_FIRST_STORE and not default.DQ_FIRST_STORE
-    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in PERSISTENT_BACKWARD_LAYOUTS])
-    B, S, H = 2, layout.seq_len, 16
-    q, k, v, d_o = _inputs(B, H, H, S, head_dim, torch.bfloat16, strided=False)
-    scale = 1.0 / math.sqrt(head_dim)
-    plan = omnigen.plan(TRANSFUSION, layout, block_m=default.BLOCK_M, block_n=default.BLOCK_N, device="cuda")
-    o, lse = run_forward(default, plan, q, k, v, scale)
+    plan, (q, k, v, d_o), o, lse, scale = _many_columns_problem(default, head_dim)
+    B, H, S, _ = q.shape
     expected = launch.backward_pass(default, plan, q, k, v, o, lse, d_o, scale)
     for _ in range(2):  # the second time after other work, the claims and dq_accum in recycled memory
         poison = torch.full((B, H, S, head_dim), float("nan"), device="cuda")  # the block dq_accum will get
