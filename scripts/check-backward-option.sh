@@ -16,11 +16,9 @@ out="${OUT:-check-backward-option-out}"
 options="${OPTIONS:?OPTIONS=NAME=VALUE ... (the option against the default)}"
 options_d128="${OPTIONS_D128:-$options}" options_d64="${OPTIONS_D64:-$options}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-backward-option}"
 steps=" ${STEPS:-1 2 3} "
-want() { [[ "$steps" == *" $1 "* ]]; }
-source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment, gpu_tests
+source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment, gpu_tests, want
 
 log_environment "$out"
 

@@ -9,7 +9,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-check-issue12-out}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-issue12}"
 RULES=examples/rules/transfusion.yaml
 source scripts/check_steps.sh  # record, elapsed, print_summary

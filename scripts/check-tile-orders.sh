@@ -16,11 +16,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-check-tile-orders-out}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OMNIGEN_CACHE_DIR="${OMNIGEN_CACHE_DIR:-/tmp/omnigen-cache-tile-orders}"
 steps=" ${STEPS:-1 2 3 4} "
-want() { [[ "$steps" == *" $1 "* ]]; }
-source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment, gpu_tests
+source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment, gpu_tests, want
 
 log_environment "$out"
 

@@ -5,6 +5,11 @@
 #   log_environment OUT            (the GPU, its driver and power limit, and the commit, into OUT/environment.log)
 #   gpu_tests OUT SECONDS EXPR FILE...  (the files' gpu tests selected by -k EXPR, 12 workers, into OUT/tests.log;
 #                                  recorded as the step "tests")
+#   want N                         (step N is in the caller's $steps, e.g. steps=" ${STEPS:-1 2 3} ")
+# and this checkout's omnigen first on PYTHONPATH, Python's output unbuffered (logs as they come). Source it from the
+# repository's root.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+want() { [[ "$steps" == *" $1 "* ]]; }
 declare -a names statuses notes
 status=0
 record() {  # name, exit code, note

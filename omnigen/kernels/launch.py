@@ -279,7 +279,7 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     # GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
     # two), else writes fp32 per query head and the groups are summed here (deterministic: a fixed order)
     group = Hq // Hkv
-    grouped = partials and not deterministic and capabilities(module).group_dkdv and group & (group - 1) == 0
+    grouped = partials and not deterministic and caps.group_dkdv and group & (group - 1) == 0
     dk, dv = (heads_inner(B, Hkv, S, D, dtype=t.dtype, device=q.device) for t in (k, v))
     if not partials:
         dk_kernel, dv_kernel = dk, dv
