@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A Hopper backward option against the default kernels, in steps that fit the device tool's 10-minute calls:
-#   OUT=/some/dir OPTIONS="dq_first_store=1" TESTS="dq_first_store" STEPS="1 2 3" bash scripts/check-backward-option.sh
-# then STEPS="4 5". OPTIONS_D128 / OPTIONS_D64 set the options per head dim where they differ (default: OPTIONS);
+#   OUT=/some/dir OPTIONS="persistent_backward=2" TESTS="persistent_backward" STEPS="1 2" bash scripts/check-backward-option.sh
+# then STEPS="3", STEPS="4 5". OPTIONS_D128 / OPTIONS_D64 set the options per head dim where they differ (default: OPTIONS);
 # the persistent backward of the thirty-second session ran as OPTIONS_D128="persistent_backward=2"
 # OPTIONS_D64="persistent_backward=0" (off at d64: a positive change is what the default gains there).
 # 1. the option's GPU tests (tests/test_kernel_backward_gpu.py -k "$TESTS");

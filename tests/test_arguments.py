@@ -82,8 +82,7 @@ def _binding_traits(binding: str) -> dict[str, object]:
     return {"has_backward": flag("kHasBackward"), "backward_problem": problem or None,
             "persistent_forward": flag("kPersistentForward"), "partial_bits": flag("kPartialBits"),
             "ordered_dq": flag("kOrderedDq"), "group_dkdv": flag("kGroupDkdv"),
-            "dq_interleaved": flag("kDqInterleaved"), "persistent_backward": flag("kPersistentBackward"),
-            "dq_first_store": flag("kDqFirstStore")}
+            "dq_interleaved": flag("kDqInterleaved"), "persistent_backward": flag("kPersistentBackward")}
 
 
 @pytest.mark.parametrize("rules_name, config", [
@@ -99,13 +98,8 @@ def _binding_traits(binding: str) -> dict[str, object]:
                                  options=HopperOptions(persistent_backward=2))),
     ("transfusion", KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256),
                                  options=HopperOptions(persistent_backward=2))),
-    ("transfusion", KernelConfig(128, "bf16", "sm_90a", resources.default_tile(128),
-                                 options=HopperOptions(dq_first_store=True))),
-    ("transfusion", KernelConfig(256, "bf16", "sm_90a", resources.default_tile(256),
-                                 options=HopperOptions(dq_first_store=True))),
 ], ids=["sm90-d128", "sm90-d256", "sm80-d64", "sm90-forward-only", "sm80-bits-only", "sm90-d64",
-        "sm90-d64-grid-backward", "sm90-d128-persistent-backward", "sm90-d256-persistent-backward",
-        "sm90-d128-dq-first-store", "sm90-d256-dq-first-store"])
+        "sm90-d64-grid-backward", "sm90-d128-persistent-backward", "sm90-d256-persistent-backward"])
 def test_the_binding_exports_the_familys_traits(rules_name, config):
     """Each family states a variant's traits once (KernelFamily.traits); the binding's flags are rendered from that
     record, and launch.capabilities reads the same fields back from a module."""
@@ -122,8 +116,7 @@ def test_the_binding_exports_the_familys_traits(rules_name, config):
                                  "PERSISTENT_FORWARD": traits.persistent_forward, "PARTIAL_BITS": traits.partial_bits,
                                  "ORDERED_DQ": traits.ordered_dq, "GROUP_DKDV": traits.group_dkdv,
                                  "DQ_INTERLEAVED": traits.dq_interleaved,
-                                 "PERSISTENT_BACKWARD": traits.persistent_backward,
-                                 "DQ_FIRST_STORE": traits.dq_first_store})
+                                 "PERSISTENT_BACKWARD": traits.persistent_backward})
     found = launch.capabilities(module)
     assert {name: getattr(found, name) for name in asdict(traits)} == asdict(traits)
     if config.forward_only:
@@ -136,8 +129,5 @@ def test_the_binding_exports_the_familys_traits(rules_name, config):
     mode = getattr(options, "persistent_backward", 0) if config.arch == "sm_90a" else 0
     asked = mode == 2 or (mode == 1 and config.head_dim in resources.PERSISTENT_BACKWARD_HEAD_DIMS)
     assert traits.persistent_backward == (asked and config.head_dim != 256 and not config.forward_only)
-    # dQ's first store: where asked, with the writer warp (not d256, whose dQ goes by atomics or in pairs)
-    assert traits.dq_first_store == (getattr(options, "dq_first_store", False) and config.arch == "sm_90a"
-                                     and config.head_dim != 256 and not config.forward_only)
     if rules_name == "bits_only":
         assert traits.partial_bits

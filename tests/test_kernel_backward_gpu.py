@@ -29,8 +29,8 @@ import omnigen
 from omnigen import kernels
 from omnigen.kernels.sm80.resources import spill_allowance
 from omnigen.jit import cache
-from omnigen.kernels.launch import (DQ_CLAIM_ROWS, columns_in_order, convert_gradient, dq_claims, heads_inner,
-                                    launch_backward, launch_delta, launch_forward)
+from omnigen.kernels.launch import (columns_in_order, convert_gradient, heads_inner, launch_backward, launch_delta,
+                                    launch_forward)
 from omnigen.tune.timing import median_ms
 from omnigen.kernels.sm80.resources import default_tile
 from omnigen.kernels.sm90 import resources as sm90_resources
@@ -132,11 +132,9 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     # Atomic mode and the ordered dQ add into dq_accum, so it starts at zero; the sm80 deterministic dQ kernel
-    # overwrites it, and so does a DQ_FIRST_STORE backward in atomic mode each block's first rows: poison it.
-    first_store = not deterministic and getattr(module, "DQ_FIRST_STORE", False)
-    overwritten = first_store or (deterministic and not getattr(module, "ORDERED_DQ", False))
+    # overwrites it: poison it.
+    overwritten = deterministic and not getattr(module, "ORDERED_DQ", False)
     dq_accum = torch.full((B, Hq, S, D), float("nan") if overwritten else 0.0, device=q.device, dtype=torch.float32)
-    claims = dq_claims(B, Hq, S, q.device) if first_store else None
     partials = Hq != Hkv
     if not partials:  # the real dk/dv, in the element type (optionally with SDPA-style strides)
         shape = (B, S, Hkv, D) if strided_out else (B, Hkv, S, D)
@@ -151,11 +149,8 @@ def run_backward(module, plan, q, k, v, o, lse, d_o, delta, scale, deterministic
         dk = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
         dv = torch.full((B, Hq, S, D), float("nan"), device=q.device, dtype=torch.float32)
     launch_backward(module, plan, q, k, v, lse, d_o, delta, dq_accum, dk, dv, scale, deterministic,
-                    Hq // Hkv if grouped and partials else 1, claims)
+                    Hq // Hkv if grouped and partials else 1)
     torch.cuda.synchronize()
-    if claims is not None:  # what the conversion pass does with the blocks no column claimed: their dQ is zero
-        written = (claims[1:].view(B, Hq, -1) != 0).repeat_interleave(DQ_CLAIM_ROWS, dim=2)[:, :, :S]
-        dq_accum = torch.where(written[..., None], dq_accum, torch.zeros((), device=q.device))
     if partials and not grouped:
         dk = dk.view(B, Hkv, Hq // Hkv, S, D).sum(2)
         dv = dv.view(B, Hkv, Hq // Hkv, S, D).sum(2)
@@ -711,54 +706,6 @@ def test_sm90_persistent_backward_many_columns(head_dim):
             assert _max_error(a, b) <= 1e-5 * float(b.abs().max()), f"dq: {_max_error(a, b)} from the default's"
         else:
             assert torch.equal(a, b), f"{label}: not the default module's bits"
-
-
-# ---- dQ's first store (the dq_first_store option, off): the first kv-tile column into each 64-row block of dQ stores
-# its rows and the others add once they are written, so nothing zeroes dq_accum; the conversion pass writes the blocks
-# no column claimed (padding's rows) as zeros. Against float64 (run_backward poisons dq_accum with NaN and zeroes the
-# unclaimed blocks as the pass does); deterministic mode, which the option leaves alone, bit for bit the default's.
-# Then the whole pass (launch.backward_pass, the real conversion) on 2,048 columns of two layouts with padding at
-# either end, against the default module: dK and dV bit for bit, dQ within the atomics' reordering, padding's dQ rows
-# exactly zero though the allocator handed back a NaN-filled block.
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("pad_docs_strided", "documents_1000")] + LEADING_CASES,
-                         ids=lambda c: c[0])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_dq_first_store(case, head_dim):
-    _skip_unless_family_runs("sm90")
-    options = {"dq_first_store": True}
-    assert _module(case[1], head_dim, "bf16", family="sm90", options=options).DQ_FIRST_STORE
-    _check_option_as_default(case, head_dim, options)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sm90_dq_first_store_through_the_passes(head_dim):
-    from omnigen.kernels import launch
-
-    _skip_unless_family_runs("sm90")
-    first = _module(TRANSFUSION, head_dim, "bf16", family="sm90", options={"dq_first_store": True})
-    default = _module(TRANSFUSION, head_dim, "bf16", family="sm90")
-    assert first.DQ_FIRST_STORE and not default.DQ_FIRST_STORE
-    plan, (q, k, v, d_o), o, lse, scale = _many_columns_problem(default, head_dim)
-    B, H, S, _ = q.shape
-    expected = launch.backward_pass(default, plan, q, k, v, o, lse, d_o, scale)
-    for _ in range(2):  # the second time after other work, the claims and dq_accum in recycled memory
-        poison = torch.full((B, H, S, head_dim), float("nan"), device="cuda")  # the block dq_accum will get
-        del poison
-        ours = launch.backward_pass(first, plan, q, k, v, o, lse, d_o, scale)
-        torch.cuda.synchronize()
-        for a, b, label in zip(ours, expected, ("dq", "dk", "dv")):
-            assert not torch.isnan(a).any(), f"{label}: NaN left (a block neither stored nor zeroed?)"
-            if label == "dq":  # fp32 additions in another order, rounded to bf16
-                assert _max_error(a.float(), b.float()) <= 1e-2 * float(b.float().abs().max()), label
-            else:
-                assert torch.equal(a, b), f"{label}: not the default module's bits"
-        assert not ours[0][0, :, :300].any() and not ours[0][1, :, S - 2223:].any(), "padding's dQ is not zero"
 
 
 # ---- the backward producer's registers (the backward_producer_registers option, off by default): 32 for the producer

@@ -153,7 +153,7 @@ def _normalised(rules: omnigen.Rules, config: KernelConfig) -> dict[str, list[st
     (64, dict(ordered_section_pairs=0, atomic_section_pairs=0, backward_stages=2, persistent_backward=0)),
     (128, dict(bits_slot_in_tables=True, leading_kv_tiles=0, persistent_backward=2)),
     (256, dict(leading_kv_tiles=1, leading_q_tiles=0)),
-    (64, dict(leading_q_tiles=3, balanced_sections=False, backward_producer_registers=32, dq_first_store=True)),
+    (64, dict(leading_q_tiles=3, balanced_sections=False, backward_producer_registers=32)),
     (256, dict(persistent=False, partial_bits=False, early_scores=False)),
 ])
 def test_hopper_options_change_constants_only(head_dim, options):

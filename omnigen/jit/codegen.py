@@ -238,7 +238,7 @@ def render(rules: Rules, config: KernelConfig) -> dict[str, str]:
     context.update(backward_supported=traits.has_backward, backward_problem=traits.backward_problem or "",
                    persistent=traits.persistent_forward, partial_bits=traits.partial_bits,
                    ordered_dq=traits.ordered_dq, dq_interleaved=traits.dq_interleaved,
-                   persistent_backward=traits.persistent_backward, dq_first_store=traits.dq_first_store)
+                   persistent_backward=traits.persistent_backward)
     context["raw_delimiter"] = _raw_delimiter(context["rules_yaml"])
     env = _environment(family)
     mask_context = dict(context, header=_header(rules, None, None), namespace=f"omnigen_rules_{rules.name}")

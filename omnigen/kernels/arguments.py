@@ -255,9 +255,6 @@ CONVERT = LaunchStruct(
         Field("batch", "int"), Field("heads", "int"), Field("seq_len", "int"),
         Field("interleaved", "int", "1: each 8-column group of the source holds columns 0, 2, 4, 6, 1, 3, 5, 7 (dQ "
               "of a module whose DQ_INTERLEAVED is set); 0: in order", binding="keyword", binding_type="bool"),
-        _table("written", "null, or per (batch, head, 64-row block) a DQ_FIRST_STORE backward's claim on it (0: no "
-               "kv-tile column wrote the block, whose source rows are garbage: written out as zeros)",
-               binding="keyword", nullable=True),
     ),
 )
 

@@ -144,8 +144,7 @@ class KernelFamily(ABC):
                                     partial_bits=bool(context["partial_bits"]), ordered_dq=bool(context["ordered_dq"]),
                                     group_dkdv=bool(context["group_dkdv"]),
                                     dq_interleaved=has_backward and bool(context["dq_interleaved"]),
-                                    persistent_backward=has_backward and bool(context.get("persistent_backward")),
-                                    dq_first_store=has_backward and bool(context.get("dq_first_store")))
+                                    persistent_backward=has_backward and bool(context.get("persistent_backward")))
 
     # ---- launching a built module (inputs already checked by the op): the shared binding's arguments
 

@@ -20,8 +20,8 @@ from .arguments import BACKWARD, CONVERT, DELTA, FORWARD, call_arguments
 class VariantTraits:
     """What a variant's module does besides the launches every module has. Its family states them when the variant
     is rendered (`KernelFamily.traits`), the binding exports them as the module's attributes (HAS_BACKWARD,
-    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED, PERSISTENT_BACKWARD,
-    DQ_FIRST_STORE), and `capabilities` reads them back."""
+    BACKWARD_PROBLEM, PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED, PERSISTENT_BACKWARD), and
+    `capabilities` reads them back."""
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
@@ -31,7 +31,6 @@ class VariantTraits:
     group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
     dq_interleaved: bool  # the backward's fp32 dQ has each 8-column group as 0, 2, 4, 6, 1, 3, 5, 7 (convert_gradient)
     persistent_backward: bool  # the atomic-order backward takes its kv-tiles from a counter the caller zeroes
-    dq_first_store: bool  # atomic order stores each dQ block's first rows: claims the caller zeroes, read by the pass
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,7 @@ def capabilities(module: Any) -> Capabilities:
             backward_problem=getattr(module, "BACKWARD_PROBLEM", None),
             persistent_forward=flag("PERSISTENT_FORWARD"), partial_bits=flag("PARTIAL_BITS"),
             ordered_dq=flag("ORDERED_DQ"), group_dkdv=flag("GROUP_DKDV"),
-            dq_interleaved=flag("DQ_INTERLEAVED"), persistent_backward=flag("PERSISTENT_BACKWARD"),
-            dq_first_store=flag("DQ_FIRST_STORE"))
+            dq_interleaved=flag("DQ_INTERLEAVED"), persistent_backward=flag("PERSISTENT_BACKWARD"))
         found = Capabilities(
             **asdict(traits),
             launch_abi=getattr(module, "LAUNCH_ABI", None), forward_launch=int(getattr(module, "FORWARD_LAUNCH", 0)),
@@ -180,47 +178,27 @@ def columns_in_order(interleaved: torch.Tensor) -> torch.Tensor:
 
 
 def convert_gradient(module: Any, source: torch.Tensor, destination: torch.Tensor,
-                     interleaved: bool = False, written: torch.Tensor | None = None) -> torch.Tensor:
+                     interleaved: bool = False) -> torch.Tensor:
     """`destination` (the element type, [B, H, S, D], last dim contiguous) = `source` (float32, contiguous) by the
     module's own pass (a plain copy for modules built without one). `interleaved`: the source's columns lie in
-    each group of 8 as 0, 2, 4, 6, 1, 3, 5, 7 (the dQ of a module with `dq_interleaved`). `written`: a DQ_FIRST_STORE
-    backward's claims (`dq_claims()[1:]`), the rows of blocks whose claim is 0 written as zeros."""
+    each group of 8 as 0, 2, 4, 6, 1, 3, 5, 7 (the dQ of a module with `dq_interleaved`)."""
     if not capabilities(module).convert_launch:
-        if written is not None:
-            raise ValueError("written: only a module's own conversion pass reads the claims of dq_first_store")
         return destination.copy_(columns_in_order(source) if interleaved else source)
     B, H, S, _ = source.shape
     values = {"source": source.data_ptr(), "destination": destination.data_ptr(),
               "destination_strides": destination.stride(), "batch": B, "heads": H, "seq_len": S}
-    keywords: dict[str, Any] = {"interleaved": True} if interleaved else {}
-    if written is not None:
-        keywords["written"] = written.data_ptr()
+    keywords = {"interleaved": True} if interleaved else {}
     module.backward_convert(*call_arguments(CONVERT, values, _stream()), **keywords)
     return destination
 
 
-# Rows of dQ a DQ_FIRST_STORE backward claims at once (the Hopper backward's step; omnigen/delta.cuh's kWrittenRows).
-DQ_CLAIM_ROWS = 64
-
-
-def dq_claims(batch: int, heads_q: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 [1 + batch * heads_q * ceil(seq_len / 64)]: what a DQ_FIRST_STORE module's backward takes as
-    dq_semaphore (the persistent grid's kv-tile counter, then a claim on each 64-row block of dQ), and whose tail its
-    conversion pass reads as `written`."""
-    return torch.zeros(1 + batch * heads_q * -(-seq_len // DQ_CLAIM_ROWS), dtype=torch.int32, device=device)
-
-
 def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                     d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, scale: float, deterministic: bool, dkdv_group: int = 1,
-                    claims: torch.Tensor | None = None) -> None:
+                    dv: torch.Tensor, scale: float, deterministic: bool, dkdv_group: int = 1) -> None:
     """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed (unless deterministic on a module
-    without ORDERED_DQ: then overwritten; or `claims` is given: see below); dk/dv are the element type [B, Hkv, S, D],
-    or under GQA float32: per query head [B, Hq, S, D] (dkdv_group 1: the caller sums each group), or [B, Hkv, S, D]
-    zeroed, the groups added by the kernel (dkdv_group = Hq / Hkv: GROUP_DKDV modules, atomic mode). `claims`
-    (`dq_claims`, atomic mode of a DQ_FIRST_STORE module, which requires it): the kernel stores each 64-row block's
-    first rows into `dq_accum` as it is, so only the blocks whose claim stays 0 are left unwritten (the conversion
-    pass zeroes those when given the claims)."""
+    without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or under GQA float32: per
+    query head [B, Hq, S, D] (dkdv_group 1: the caller sums each group), or [B, Hkv, S, D] zeroed, the groups added
+    by the kernel (dkdv_group = Hq / Hkv: GROUP_DKDV modules, atomic mode)."""
     B, Hq, S, _ = q.shape
     values = {**_tensor_values(q=q, k=k, v=v, d_o=d_out, dk=dk, dv=dv), "lse": lse.data_ptr(),
               "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(), **_sizes(q, k), "scale": scale,
@@ -231,11 +209,6 @@ def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: to
         # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
         ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
         keywords = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
-    elif not deterministic and capabilities(module).dq_first_store:
-        if claims is None:
-            raise ValueError("this module stores dQ's first rows (DQ_FIRST_STORE): pass claims=dq_claims(B, Hq, S, "
-                             "device) and the same claims' tail to convert_gradient(written=)")
-        keywords["dq_semaphore"] = claims.data_ptr()
     elif not deterministic and capabilities(module).persistent_backward:  # its kv-tiles come from a counter
         # A fresh one per call (a memset on the stream), as the forward's: two streams never share one.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -267,14 +240,11 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     d_out = kernel_ready(d_out)
     lse = lse.contiguous()  # the kernels index it as [B, Hq, S] with no strides (a slice of a longer one is not)
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)  # dO . O per row
-    # Modules with their own conversion pass (CONVERT_LAUNCH) also zero the fp32 dQ in the Delta pass, unless their
-    # backward stores each block's first rows (DQ_FIRST_STORE, atomic mode): then the conversion zeroes the blocks
-    # nobody wrote.
+    # Modules with their own conversion pass (CONVERT_LAUNCH) also zero the fp32 dQ in the Delta pass.
     caps = capabilities(module)
     own_passes = bool(caps.convert_launch)
-    claims = dq_claims(B, Hq, S, q.device) if own_passes and caps.dq_first_store and not deterministic else None
     dq_accum = (torch.empty if own_passes else torch.zeros)(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    launch_delta(module, out, d_out, delta, dq_accum if own_passes and claims is None else None)
+    launch_delta(module, out, d_out, delta, dq_accum if own_passes else None)
     partials = Hq != Hkv
     # GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
     # two), else writes fp32 per query head and the groups are summed here (deterministic: a fixed order)
@@ -288,7 +258,7 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         dk_kernel, dv_kernel = (make(B, Hkv if grouped else Hq, S, D, dtype=torch.float32, device=q.device)
                                 for _ in range(2))
     launch_backward(module, p, q, k, v, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic,
-                    group if grouped else 1, claims)
+                    group if grouped else 1)
     if grouped:
         convert_gradient(module, dk_kernel, dk)
         convert_gradient(module, dv_kernel, dv)
@@ -296,5 +266,4 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         dk.copy_(dk_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
         dv.copy_(dv_kernel.view(B, Hkv, Hq // Hkv, S, D).sum(2))
     dq = heads_inner(B, Hq, S, D, dtype=q.dtype, device=q.device)
-    written = claims[1:] if claims is not None else None
-    return convert_gradient(module, dq_accum, dq, caps.dq_interleaved, written), dk, dv
+    return convert_gradient(module, dq_accum, dq, caps.dq_interleaved), dk, dv

@@ -106,7 +106,6 @@ class Sm90Family(KernelFamily):
             "dq_in_turns": r.hopper_dq_in_turns,
             "bits_slot_in_tables": o.bits_slot_in_tables,
             "persistent_backward": r.hopper_persistent_backward,
-            "dq_first_store": r.hopper_dq_first_store,
             "leading_kv_tiles": o.leading_kv_tiles,
             "leading_q_tiles": o.leading_q_tiles,
             "balanced_sections": o.balanced_sections,

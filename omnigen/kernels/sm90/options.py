@@ -132,12 +132,6 @@ class HopperOptions(KernelOptions):
     # paired); 2: wherever it builds (d128 too, where ptxas moves the consumers' wgmma descriptors off the uniform
     # datapath inside any loop around the walk: +2..+4.7%); 0 (False): never ("Thirty-second session").
     persistent_backward: int = 1
-    # dQ's first store: the first kv-tile column to reach a 64-row block of dQ stores its rows instead of adding them
-    # (a claim on a counter per block), so the Delta pass no longer zeroes the fp32 dQ (256 MiB a call at 8K x 4, 16
-    # heads of 128: ~65 us on an H200, ~3% of a short-column mask's forward+backward) and the conversion pass writes
-    # the blocks no column reached as zeros. With the writer warp (d64, d128), atomic order. Off: built, not yet timed
-    # ("Thirty-third session").
-    dq_first_store: bool = False
     # The Q/dO ring's depth; 0: the head dim's default (resources.BACKWARD_STAGES_BY_HEAD_DIM: 4 at d64, else 2;
     # "A deeper Q/dO ring at d64, timed").
     backward_stages: int = 0

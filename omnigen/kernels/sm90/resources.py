@@ -246,12 +246,6 @@ class Resources:
                 and self.atomic_section_pairs > 0 and not self.hopper_paired_dq)
 
     @property
-    def hopper_dq_first_store(self) -> bool:
-        """Whether the atomic-order Hopper backward's first column into each 64-row block of dQ stores it (the
-        dq_first_store option): with the writer warp, not with paired dQ (d64, d128)."""
-        return self.options.dq_first_store and self.hopper_dq_writer and not self.hopper_paired_dq
-
-    @property
     def hopper_dq_in_turns(self) -> bool:
         """Whether each step's dQ is computed by one consumer warpgroup, the two taking turns (the dq_in_turns
         option): at d64 only (DQ_IN_TURNS_HEAD_DIMS), and with the writer warp, which adds what the step's warpgroup

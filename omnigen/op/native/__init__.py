@@ -40,8 +40,7 @@ SHIM_SCHEDULE_ORDER = ("fwd_ptr", "fwd_kv", "bwd_ptr", "bwd_q", "partial_slot", 
 assert SCHEDULE_TENSORS == SHIM_SCHEDULE_ORDER and PER_SHAPE == len(SHIM_SCHEDULE_ORDER)
 
 # ops.cpp's enum Flag: what a module reads besides the arguments every launch takes.
-(PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED, PERSISTENT_BACKWARD,
- DQ_FIRST_STORE) = 1, 2, 4, 8, 16, 32, 64
+PERSISTENT_FORWARD, PARTIAL_BITS, ORDERED_DQ, GROUP_DKDV, DQ_INTERLEAVED, PERSISTENT_BACKWARD = 1, 2, 4, 8, 16, 32
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -68,8 +67,7 @@ def launch_choice(kernel: str, q: torch.Tensor, backward: bool) -> torch.Tensor:
                            "launch for the op shim; clear the kernel cache (omnigen cache clear) to rebuild it")
     flags = (PERSISTENT_FORWARD * caps.persistent_forward | PARTIAL_BITS * caps.partial_bits
              | ORDERED_DQ * caps.ordered_dq | GROUP_DKDV * caps.group_dkdv
-             | DQ_INTERLEAVED * caps.dq_interleaved | PERSISTENT_BACKWARD * caps.persistent_backward
-             | DQ_FIRST_STORE * caps.dq_first_store)
+             | DQ_INTERLEAVED * caps.dq_interleaved | PERSISTENT_BACKWARD * caps.persistent_backward)
     return torch.tensor([config.tile.block_m, config.tile.block_n, caps.forward_launch, caps.backward_launch,
                          caps.delta_launch, flags, caps.launch_abi, caps.convert_launch], dtype=torch.int64)
 

@@ -39,7 +39,7 @@ enum Schedule : int64_t {
 // What a module reads besides the arguments every launch takes (omnigen/op/native/__init__.py: PERSISTENT_FORWARD...).
 enum Flag : int64_t {
   kPersistentForward = 1, kPartialBitsFlag = 2, kOrderedDq = 4, kGroupDkdv = 8, kDqInterleaved = 16,
-  kPersistentBackward = 32, kDqFirstStore = 64
+  kPersistentBackward = 32
 };
 
 // One pass's launch, as omnigen::_launch_choice returned it: int64 [block_m, block_n, forward, backward, delta,
@@ -229,19 +229,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   char message[1024] = {0};
 
   at::Tensor delta = at::empty({B, Hq, S}, f32);  // dO . O per row
-  at::Tensor dq_accum = at::empty({B, Hq, S, D}, f32);  // zeroed by the Delta pass, or (first store) left as it is
-  // A DQ_FIRST_STORE backward in atomic mode: its kv-tile counter, then a claim on each 64-row block of dQ (as
-  // omnigen/kernels/launch.py's dq_claims); the conversion writes the blocks nobody claimed as zeros.
-  const bool first_store = !deterministic && (choice.flags & kDqFirstStore);
-  const at::Tensor claims = first_store ? at::zeros({1 + B * Hq * ((S + 63) / 64)}, q.options().dtype(at::kInt))
-                                        : at::Tensor();
+  at::Tensor dq_accum = at::empty({B, Hq, S, D}, f32);  // zeroed by the Delta pass
   omnigen::DeltaArgs delta_args{};
   delta_args.o = out.data_ptr(), delta_args.d_o = d_out.data_ptr(), delta_args.delta = delta.data_ptr<float>();
   delta_args.o_stride_b = out.stride(0), delta_args.o_stride_h = out.stride(1), delta_args.o_stride_s = out.stride(2);
   delta_args.d_o_stride_b = d_out.stride(0), delta_args.d_o_stride_h = d_out.stride(1);
   delta_args.d_o_stride_s = d_out.stride(2);
   delta_args.batch = int(B), delta_args.heads_q = int(Hq), delta_args.seq_len = int(S);
-  delta_args.dq_accum = first_store ? nullptr : dq_accum.data_ptr<float>();
+  delta_args.dq_accum = dq_accum.data_ptr<float>();
   raise_unless_ok(choice.delta(delta_args, stream, message, sizeof message), message);
 
   const bool ordered = deterministic && (choice.flags & kOrderedDq);
@@ -279,8 +274,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     counters = at::zeros({B, Hq, (S + 63) / 64}, q.options().dtype(at::kInt));
     args.dq_rank = address<int32_t>(ranks);
     args.dq_semaphore = counters.data_ptr<int32_t>();
-  } else if (first_store) {
-    args.dq_semaphore = claims.data_ptr<int32_t>();
   } else if (!deterministic && (choice.flags & kPersistentBackward)) {
     // The persistent backward's kv-tile counter, a fresh one per call as the forward's: two streams never share one.
     counters = at::zeros({1}, q.options().dtype(at::kInt));
@@ -292,8 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 
   // The fp32 gradients out in the element type, by the module's own pass: copy_'s strided TensorIterator kernel took
   // 203 us against its 137 for dQ at d128, B x S = 4 x 8K, 16 heads on an H100, and more host time.
-  auto convert = [&](const at::Tensor& source, const at::Tensor& destination, bool interleaved,
-                     const int32_t* written = nullptr) {
+  auto convert = [&](const at::Tensor& source, const at::Tensor& destination, bool interleaved) {
     omnigen::ConvertArgs convert_args{};
     convert_args.source = source.data_ptr<float>();
     convert_args.destination = destination.data_ptr();
@@ -302,7 +294,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     convert_args.batch = int(source.size(0)), convert_args.heads = int(source.size(1));
     convert_args.seq_len = int(source.size(2));
     convert_args.interleaved = interleaved ? 1 : 0;
-    convert_args.written = written;
     raise_unless_ok(choice.convert(convert_args, stream, message, sizeof message), message);
   };
   if (grouped) {
@@ -313,8 +304,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     dv.copy_(dv_kernel.view({B, Hkv, Hq / Hkv, S, D}).sum(2));
   }
   at::Tensor dq = heads_inner(B, Hq, S, D, q.options());
-  const int32_t* written = first_store ? claims.data_ptr<int32_t>() + 1 : nullptr;  // the claims after the counter
-  convert(dq_accum, dq, (choice.flags & kDqInterleaved) != 0, written);
+  convert(dq_accum, dq, (choice.flags & kDqInterleaved) != 0);
   return {dq, dk, dv};
 }
 

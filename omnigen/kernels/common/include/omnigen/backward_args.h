@@ -64,12 +64,11 @@ struct DeltaArgs {
 
 // A gradient accumulated in float32 (dQ, GQA's grouped dK/dV) written out in the element type.
 struct ConvertArgs {
-  const float* source;     // [batch, heads, seq_len, head_dim], float32, contiguous
-  void* destination;       // [batch, heads, seq_len, head_dim], the element type, last dim contiguous
+  const float* source;  // [batch, heads, seq_len, head_dim], float32, contiguous
+  void* destination;    // [batch, heads, seq_len, head_dim], the element type, last dim contiguous
   int64_t destination_stride_b, destination_stride_h, destination_stride_s;
   int batch, heads, seq_len;
-  int interleaved;         // 1: each 8-column group of the source holds columns 0, 2, 4, 6, 1, 3, 5, 7 (dQ of a module whose DQ_INTERLEAVED is set); 0: in order
-  const int32_t* written;  // null, or per (batch, head, 64-row block) a DQ_FIRST_STORE backward's claim on it (0: no kv-tile column wrote the block, whose source rows are garbage: written out as zeros)
+  int interleaved;      // 1: each 8-column group of the source holds columns 0, 2, 4, 6, 1, 3, 5, 7 (dQ of a module whose DQ_INTERLEAVED is set); 0: in order
 };
 
 // Implemented by the generated backward kernel file; same conventions as forward_launch.

@@ -76,7 +76,6 @@ cudaError_t launch_delta(const DeltaArgs& args, cudaStream_t stream) {
 }
 
 constexpr int kConvertThreads = 256;
-constexpr int kWrittenRows = 64;  // ConvertArgs::written: one claim per block of this many rows (the Hopper step)
 
 // One 16-byte chunk of the destination (8 elements, 32 bytes of fp32 read) a thread; rows of the source are
 // contiguous, the destination's rows sit where its strides put them (the ops return [B, S, H, D] storage).
@@ -91,11 +90,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_kernel(const ConvertA
   const int64_t batch_head = row / args.seq_len;
   const int head = int(batch_head % args.heads), batch = int(batch_head / args.heads);
   const float4* source = reinterpret_cast<const float4*>(args.source + row * kHeadDim + chunk * 8);
-  float4 low = make_float4(0.f, 0.f, 0.f, 0.f), high = low;
-  // A block no column of a DQ_FIRST_STORE backward wrote holds whatever the allocation held: its dQ is zero.
-  const bool written = args.written == nullptr ||
-                       args.written[batch_head * ((args.seq_len + kWrittenRows - 1) / kWrittenRows) + position / kWrittenRows] != 0;
-  if (written) low = __ldcs(source), high = __ldcs(source + 1);  // read once: not kept in L2
+  const float4 low = __ldcs(source), high = __ldcs(source + 1);  // read once: not kept in L2
   // Interleaved (the Hopper backward's dQ): low holds columns 0, 2, 4, 6 of the chunk and high 1, 3, 5, 7.
   const uint4 packed = args.interleaved
                            ? make_uint4(pack<Element>(low.x, high.x), pack<Element>(low.y, high.y),

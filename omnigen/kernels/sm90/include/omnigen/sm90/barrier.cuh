@@ -73,27 +73,4 @@ __device__ __forceinline__ void counter_release_add(int32_t* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
 
-// Claims on a block of global memory, one counter per block (dQ's first store): claim() adds 1 and says whether
-// this thread came first; the first writes the block, waits for its writes (cp.async.bulk.wait_group) and sets
-// `flag` in the counter (flag_release); the others wait for that flag (acquire) before they add to the block.
-__device__ __forceinline__ bool claim(int32_t* counter) {
-  int32_t before;
-  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(before) : "l"(counter) : "memory");
-  return before == 0;
-}
-
-__device__ __forceinline__ void flag_wait(const int32_t* counter, int32_t flag) {
-  int32_t seen;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-    if (seen & flag) return;
-    __nanosleep(32);
-  }
-}
-
-__device__ __forceinline__ void flag_release(int32_t* counter, int32_t flag) {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  asm volatile("red.release.gpu.global.or.b32 [%0], %1;\n" ::"l"(counter), "r"(flag) : "memory");
-}
-
 }  // namespace omnigen::sm90
