@@ -98,9 +98,9 @@ def op_counts(make: Callable[[], Any], device: torch.device) -> dict[str, int]:
 
 @contextlib.contextmanager
 def slab_budget(log2: int, device: torch.device):
-    """Slabs (and, on a GPU, the mod's evaluation calls) of 2^log2 pairs on `device` while inside."""
+    """Slabs (and, on a GPU, the mod's evaluation calls, compiled or not) of 2^log2 pairs on `device` while inside."""
     names = (("SLAB_ELEMENTS", ruleless), ("CPU_EVAL_ELEMENTS", from_mod)) if device.type == "cpu" else \
-        (("GPU_SLAB_ELEMENTS", ruleless), ("EVAL_ELEMENTS", from_mod))
+        (("GPU_SLAB_ELEMENTS", ruleless), ("EVAL_ELEMENTS", from_mod), ("COMPILED_SLAB_ELEMENTS", from_mod))
     saved = [(module, name, getattr(module, name)) for name, module in names]
     for module, name, _ in saved:
         setattr(module, name, 1 << log2)

@@ -161,3 +161,24 @@ def test_masks_from_data_run_on_the_gpus_own_family():
     q = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16)
     out = omnigen.attention(q, q, q, mask)
     torch.testing.assert_close(out.double(), attention_reference(q, q, q, made.dense())[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("S", [8192, 32768])
+@pytest.mark.parametrize("name", ["longformer", "random_eviction"])
+def test_compiled_mods_are_made_in_large_slabs_and_equal_the_dense_mask(name, S):
+    """A compiled mod on a GPU is evaluated a COMPILED_SLAB_ELEMENTS slab a call (8K x 4: the whole mask in one call;
+    32K x 1: four), and the mask it makes is the dense mask's, schedules and partial tiles' bits alike."""
+    from omnigen.plan import from_mod
+
+    batch = 32768 // S
+    made = catalogue_mask(name, batch, S, device="cuda", seed=S)
+    from_data = made.mask("mod", head_dim=64, dtype=torch.bfloat16)
+    dense = made.mask("dense", head_dim=64, dtype=torch.bfloat16)
+    assert from_data.tiles == dense.tiles
+    for got, want in zip(from_data.schedules, dense.schedules):  # the partial tiles' bits among them
+        assert torch.equal(got, want)
+    rows = min(S, from_mod.COMPILED_SLAB_ELEMENTS // S)
+    per_batch = max(1, from_mod.COMPILED_SLAB_ELEMENTS // (rows * S))
+    slab_shapes = ((min(batch, per_batch), 1, 1), (1, rows, 1), (1, 1, S))
+    assert (from_mod._code_of(made.mask_mod), slab_shapes) in from_mod._COMPILED, \
+        "the mod was not evaluated a whole compiled slab a call"

@@ -1,8 +1,9 @@
 """`mask_from_mod`: a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx) -> bool` as a `Mask`.
 
 The mod is called on index tensors that broadcast against each other -- b [n, 1, 1], q_idx [1, rows, 1],
-kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles, `ruleless.slab_elements` pairs, in
-calls of at most EVAL_ELEMENTS pairs: one call on a GPU, several on a CPU), never on an S x S grid; each slab is
+kv_idx [1, 1, keys], h a 0-d zero -- one slab at a time (block-rows of tiles: COMPILED_SLAB_ELEMENTS pairs in one
+call for a compiled mod on a GPU, else `ruleless.slab_elements` pairs in calls of at most EVAL_ELEMENTS, one call on a
+GPU and several on a CPU), never on an S x S grid; each slab is
 evaluated once for every tile shape, classified exactly and its partial tiles packed to bits
 (`omnigen.plan.ruleless.classify_shapes`). A mod written for FlexAttention works unchanged when it uses tensor
 operations (FlexAttention vmaps it over scalars; here it sees whole blocks), which is what `create_block_mask` needs
@@ -44,6 +45,13 @@ from .ruleless import check_capacity_choice, classify_shapes, ruleless_mask, rul
 # catalogue masks).
 EVAL_ELEMENTS = 1 << 26
 CPU_EVAL_ELEMENTS = 1 << 20
+# Pairs of one slab, evaluated in one call, where the mod runs compiled on a GPU: its kernel writes the slab's
+# booleans and no temporaries, so the slab's 256 MiB (freed before the mask is returned) are the price of fewer
+# compiled calls and launches -- the host, not the GPU, bounds these makes. 8K x 4 is then one slab instead of four;
+# on an H200 a Longformer mask at 8K x 4 took 3.28 ms against 4.24 with slabs of 2^26 pairs, create_block_mask 4.0
+# (RESULTS.md, thirty-fourth session). A compiled call that fails is repeated eagerly on the same slab once, with
+# temporaries of its size; the mod's later slabs are eager and split by EVAL_ELEMENTS.
+COMPILED_SLAB_ELEMENTS = 1 << 28
 
 # Positions per axis of the sample that checks the mod against two heads.
 HEAD_SAMPLE = 96
@@ -109,7 +117,8 @@ class _Mod:
     eager call tells the mod's own faults from the compiler's)."""
 
     def __init__(self, mod: MaskMod, device: torch.device, compiled: bool = False) -> None:
-        self.mod, self.device, self.compiled = mod, device, compiled
+        self.mod, self.device = mod, device
+        self.compiled = compiled and _code_of(mod) not in _NOT_COMPILED
         self.h = torch.zeros((), dtype=torch.int64, device=device)
 
     def __call__(self, b: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
@@ -239,9 +248,14 @@ def mask_from_mod(
     positions = torch.arange(S, device=device)
     keys = positions[None, None, :]
 
+    whole_slabs = device.type != "cpu" and mod.compiled  # see COMPILED_SLAB_ELEMENTS
+
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         b = batches[b0:b1, None, None]
-        budget = CPU_EVAL_ELEMENTS if device.type == "cpu" else EVAL_ELEMENTS
+        if device.type == "cpu":
+            budget = CPU_EVAL_ELEMENTS
+        else:  # mod.compiled turns False once a compiled call has failed
+            budget = COMPILED_SLAB_ELEMENTS if mod.compiled else EVAL_ELEMENTS
         rows = max(1, budget // ((b1 - b0) * S))
         if rows >= r1 - r0:  # one call: its result is the slab (no copy)
             return mod(b, positions[r0:r1, None][None], keys)
@@ -263,6 +277,7 @@ def mask_from_mod(
         meanwhile["heads"] = _head_sample(mod, batches, S, device)
         meanwhile["stand_in"] = ruleless_tables(B, S, True, device)
 
-    plans = classify_shapes(slab, B, S, shapes, device, while_classifying)  # the mod evaluated once per tile shape
+    plans = classify_shapes(slab, B, S, shapes, device, while_classifying,  # the mod evaluated once per tile shape
+                            budget=COMPILED_SLAB_ELEMENTS if whole_slabs else None)
     _check_heads(*meanwhile["heads"])
     return ruleless_mask(plans, B, S, True, device, partial_bits, made_by="mask_from_mod", stand_in=meanwhile["stand_in"])

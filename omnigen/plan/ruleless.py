@@ -213,11 +213,11 @@ def positions_of(flags: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device,
-                    while_waiting: Callable[[], None] | None = None) -> list[ShapePlan]:
+                    while_waiting: Callable[[], None] | None = None, budget: int | None = None) -> list[ShapePlan]:
     """ShapePlans (in `shapes` order) from `slab(b0, b1, r0, r1)` -> bool [b1 - b0, r1 - r0, S], the mask's rows
     [r0, r1) of batch elements b0..b1 (every column), each part of the mask read once for every tile shape.
 
-    A slab spans many block-rows (up to `slab_elements(device)` pairs). Its pairs are counted once, in cells that every
+    A slab spans many block-rows (up to `budget` pairs, by default `slab_elements(device)`). Its pairs are counted once, in cells that every
     shape's tiles are unions of (gcd of the block sides), by the SWAR count of `_cell_counts`; pairs above the
     diagonal only in the band of columns the diagonal crosses (left of it none, right of it all); each shape's tile
     counts are sums of cells, its kinds `kinds_from_counts` of them (lower counts in closed form: `lower_grid`). The
@@ -231,29 +231,29 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     `while_waiting`, if given, is called once: on the Triton path after the first group's slabs are launched and before
     the host waits for them (so host work and launches that do not depend on the classification overlap it), on the
     torch path before the first slab."""
+    budget = budget or slab_elements(device)
     plans = {}
-    for group in _shape_groups(S, shapes, slab_elements(device)):
-        for plan in _classify_group(slab, B, S, group, device, while_waiting):
+    for group in _shape_groups(S, shapes, budget):
+        for plan in _classify_group(slab, B, S, group, device, budget, while_waiting):
             plans[(plan.block_m, plan.block_n)] = plan
         while_waiting = None
     return [plans[shape] for shape in shapes]
 
 
-def _slab_geometry(B: int, S: int, shapes: list[tuple[int, int]], device: torch.device) -> tuple[int, int, int, int]:
+def _slab_geometry(B: int, S: int, shapes: list[tuple[int, int]], budget: int) -> tuple[int, int, int, int]:
     """(columns padded to whole tiles of every shape, rows padded likewise, rows per slab, batch elements per slab):
-    slabs of whole block-rows of every shape, as many as `slab_elements(device)` holds."""
+    slabs of whole block-rows of every shape, as many as `budget` pairs hold."""
     unit_m, unit_n = _lcm(m for m, _ in shapes), _lcm(n for _, n in shapes)
     width = unit_n * -(-S // unit_n)
     all_rows = unit_m * -(-S // unit_m)
-    budget = slab_elements(device)
     rows = min(all_rows, max(unit_m, budget // width // unit_m * unit_m))
     return width, all_rows, rows, max(1, budget // (rows * width))
 
 
-def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device,
+def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device: torch.device, budget: int,
                     while_waiting: Callable[[], None] | None = None) -> list[ShapePlan]:
     if classify_gpu.supported(device):  # a few Triton launches per slab instead of ~50 operations per shape
-        width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, device)
+        width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, budget)
         slabs = [(b0, min(B, b0 + per_batch), r0, min(S, r0 + rows))
                  for r0 in range(0, S, rows) for b0 in range(0, B, per_batch)]
         made = classify_gpu.classify(slab, B, S, shapes, slabs, device, while_waiting)
@@ -263,7 +263,7 @@ def _classify_group(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
         while_waiting()
     gm = math.gcd(CELL_ROWS, *(m for m, _ in shapes))
     gn = math.gcd(*(n for _, n in shapes))
-    width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, device)  # width: columns padded to whole tiles
+    width, all_rows, rows, per_batch = _slab_geometry(B, S, shapes, budget)  # width: columns padded to whole tiles
     grids = [(-(-S // m), -(-S // n)) for m, n in shapes]
     kinds = [torch.empty(B, nq, nk, dtype=torch.int8, device=device) for nq, nk in grids]
     areas = [tile_area(S, m, n, device) for m, n in shapes]
