@@ -252,3 +252,23 @@ def test_smoothed_gap_tells_noise_from_a_drift():
     drifted = [x + 0.5 + rng.uniform(-0.05, 0.05) for x in base]  # a real difference, larger than the jitter
     verdict = train_step.smoothed_gap(drifted, noisy_b)
     assert not verdict["within_noise"] and verdict["max_smoothed_gap"] > verdict["step_to_step_noise"]
+
+
+def test_smoothed_gap_allows_the_references_own_run_to_run_drift():
+    import random
+
+    from omnigen.bench import smoothed_gap
+
+    rng = random.Random(1)
+    base = [10.0 * 0.99 ** i for i in range(200)]
+    reference = [x + rng.uniform(-0.05, 0.05) for x in base]
+    ours = [x + 0.5 + rng.uniform(-0.05, 0.05) for x in base]  # 0.5 away: past the jitter and 2% of the loss
+    assert not smoothed_gap(ours, reference)["within_noise"]
+    # a second reference run from the same seed that drifted as far: the difference is the backends' own noise
+    drifted_reference = [x + 0.6 + rng.uniform(-0.05, 0.05) for x in base]
+    verdict = smoothed_gap(ours, reference, ref_again=drifted_reference)
+    assert verdict["within_noise"] and verdict["reference_spread"] > verdict["max_smoothed_gap"]
+    # one that stayed with the first: no excuse
+    steady_reference = [x + rng.uniform(-0.05, 0.05) for x in base]
+    verdict = smoothed_gap(ours, reference, ref_again=steady_reference)
+    assert not verdict["within_noise"] and verdict["reference_spread"] < verdict["max_smoothed_gap"]

@@ -217,12 +217,13 @@ def classify_shapes(slab, B: int, S: int, shapes: list[tuple[int, int]], device:
     """ShapePlans (in `shapes` order) from `slab(b0, b1, r0, r1)` -> bool [b1 - b0, r1 - r0, S], the mask's rows
     [r0, r1) of batch elements b0..b1 (every column), each part of the mask read once for every tile shape.
 
-    A slab spans many block-rows (up to `budget` pairs, by default `slab_elements(device)`). Its pairs are counted once, in cells that every
-    shape's tiles are unions of (gcd of the block sides), by the SWAR count of `_cell_counts`; pairs above the
-    diagonal only in the band of columns the diagonal crosses (left of it none, right of it all); each shape's tile
-    counts are sums of cells, its kinds `kinds_from_counts` of them (lower counts in closed form: `lower_grid`). The
-    host waits once per slab, for the number of partial tiles of each shape and the slab's pairs; the partial tiles'
-    blocks are gathered and packed to bits in batches (`_Packer`): memory O(slab + pack_elements + partial tiles' bits).
+    A slab spans many block-rows (up to `budget` pairs, by default `slab_elements(device)`). Its pairs are counted
+    once, in cells that every shape's tiles are unions of (gcd of the block sides), by the SWAR count of
+    `_cell_counts`; pairs above the diagonal only in the band of columns the diagonal crosses (left of it none,
+    right of it all); each shape's tile counts are sums of cells, its kinds `kinds_from_counts` of them (lower
+    counts in closed form: `lower_grid`). The host waits once per slab, for the number of partial tiles of each
+    shape and the slab's pairs; the partial tiles' blocks are gathered and packed to bits in batches (`_Packer`):
+    memory O(slab + pack_elements + partial tiles' bits).
     Work O(B S^2), launches O(slabs x shapes + partial tiles / pack_elements).
 
     On CUDA (`classify_gpu.supported`) the same slabs are classified and their partial tiles packed by a Triton
