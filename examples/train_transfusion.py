@@ -264,12 +264,6 @@ def profile(name: str, one_step, steps: int, wall_ms: float) -> dict:
     return out
 
 
-def compare(a: list[float], b: list[float], b_again: list[float] | None = None, window: int = 20) -> dict:
-    """How far apart two loss curves are, against how much the first jitters from step to step and (b_again: the
-    reference's second run) how far the reference drifts from itself (`omnigen.bench.smoothed_gap`)."""
-    return smoothed_gap(a, b, window, ref_again=b_again)
-
-
 def plot(results: dict, path: Path) -> Path | None:
     try:
         import matplotlib
@@ -331,7 +325,8 @@ def main() -> None:
                **{f"{n}_tokens_per_s": round(r["tokens_per_s"]) for n, r in results.items()},
                **{f"{n}_final_loss": sum(r["losses"][-20:]) / 20 for n, r in results.items()}}
     if len(results) == 2:
-        summary["comparison"] = compare(results["omnigen"]["losses"], results["flex"]["losses"], flex_again)
+        summary["comparison"] = smoothed_gap(results["omnigen"]["losses"], results["flex"]["losses"],
+                                             ref_again=flex_again)
         summary["speedup_vs_flex"] = round(results["omnigen"]["tokens_per_s"] / results["flex"]["tokens_per_s"], 3)
         c = summary["comparison"]
         print(f"loss curves: max gap of the {c['window']}-step means over the second half {c['max_smoothed_gap']:.4f} "

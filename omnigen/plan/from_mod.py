@@ -248,8 +248,6 @@ def mask_from_mod(
     positions = torch.arange(S, device=device)
     keys = positions[None, None, :]
 
-    whole_slabs = device.type != "cpu" and mod.compiled  # see COMPILED_SLAB_ELEMENTS
-
     def slab(b0: int, b1: int, r0: int, r1: int) -> torch.Tensor:
         b = batches[b0:b1, None, None]
         if device.type == "cpu":
@@ -277,7 +275,8 @@ def mask_from_mod(
         meanwhile["heads"] = _head_sample(mod, batches, S, device)
         meanwhile["stand_in"] = ruleless_tables(B, S, True, device)
 
-    plans = classify_shapes(slab, B, S, shapes, device, while_classifying,  # the mod evaluated once per tile shape
-                            budget=COMPILED_SLAB_ELEMENTS if whole_slabs else None)
+    # the mod evaluated once per tile shape; a compiled one on a GPU a COMPILED_SLAB_ELEMENTS slab a call
+    plans = classify_shapes(slab, B, S, shapes, device, while_classifying,
+                            budget=COMPILED_SLAB_ELEMENTS if device.type != "cpu" and mod.compiled else None)
     _check_heads(*meanwhile["heads"])
     return ruleless_mask(plans, B, S, True, device, partial_bits, made_by="mask_from_mod", stand_in=meanwhile["stand_in"])
