@@ -4,20 +4,15 @@ the rectangles' masks through the op's own PyTorch path; plan_shards' balance an
 
 from __future__ import annotations
 
-import datetime
 import functools
 import os
 import random
-import socket
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +27,7 @@ cp_attention = sys.modules["omnigen.distributed.attention"]  # the module (the p
 
 sys.path.insert(0, os.path.dirname(__file__))
 import strategies  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 RULES_DIR = Path(__file__).resolve().parent.parent / "examples" / "rules"
 CHUNK = 16
@@ -114,42 +110,9 @@ def _worker_cases(rank: int, world: int) -> None:
     random_rules()
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    # A generous timeout: on a 2-core machine busy with other work a rank can fall minutes behind its peer. (A rank
-    # aborted there with "terminate called without an active exception" under 120 s; whether gloo's timeout was the
-    # cause is not known: if it recurs with 600 s, it was not.)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        _worker_cases(rank, world)
-        queue.put((rank, "ok"))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    """A port no one listens on now, picked by the OS (one drawn from a fixed range can meet a port in use)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_process_float64(world):
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    processes = mp.start_processes(_worker, args=(world, _free_port(), queue), nprocs=world,
-                                   join=False, start_method="spawn")
-    processes.join(timeout=900)
-    found = {}
-    while not queue.empty():
-        rank, message = queue.get()
-        found[rank] = message
-    failures = {rank: message for rank, message in found.items() if message != "ok"}
-    assert not failures and len(found) == world, failures or f"only ranks {sorted(found)} reported"
+    run_ranks(_worker_cases, world)
 
 
 # ---- one process ------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-import random
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +14,9 @@ import omnigen
 from omnigen.distributed import chunk_attention, plan_shards
 from omnigen.distributed.balance import chunk_positions
 from omnigen.distributed.rectangle import ReferenceRectangle, batched
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ranks import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -59,56 +62,36 @@ def test_rectangles_match_reference(rules_file):
             _close(mine, theirs, name)
 
 
-def _gpus_worker(rank: int, world: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
+def _gpus_worker(rank: int, world: int) -> None:
     from omnigen.distributed import attention
     from omnigen.reference import attention_reference
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    try:
-        rules = omnigen.Rules.load(os.path.join(RULES_DIR, "transfusion.yaml"))
-        layout = omnigen.Layout.from_segments(LAYOUT)
-        S = layout.seq_len
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v, d_out = (torch.randn(1, h, S, 128, generator=g, device="cuda", dtype=torch.bfloat16)
-                          for h in (4, 2, 2, 4))
-        results = []
-        # several rounds of pieces and blocks of queries (256 tokens), and one piece per stream
-        for method, block_tokens in (("balanced", 256), ("even", 1 << 20)):
-            shard = plan_shards(rules, layout, world, chunk=128, method=method)
-            ql, kl, vl = (shard.scatter(x).detach().requires_grad_() for x in (q, k, v))
-            out = attention(ql, kl, vl, shard, rules, block_tokens=block_tokens)
-            out.backward(shard.scatter(d_out))
-            results.append([shard.gather(x) for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
-        if rank == 0:
-            leaves = [x.double().requires_grad_() for x in (q, k, v)]
-            ref, _ = attention_reference(*leaves, layout, rules)
-            ref.backward(d_out.double())
-            refs = [ref.detach()] + [x.grad for x in leaves]
-            for gathered in results:
-                for name, mine, theirs in zip(("out", "dq", "dk", "dv"), gathered, refs):
-                    _close(mine, theirs, name)
-        queue.put((rank, "ok"))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, repr(exc)))
-        raise
-    finally:
-        dist.destroy_process_group()
+    rules = omnigen.Rules.load(os.path.join(RULES_DIR, "transfusion.yaml"))
+    layout = omnigen.Layout.from_segments(LAYOUT)
+    S = layout.seq_len
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, d_out = (torch.randn(1, h, S, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+                      for h in (4, 2, 2, 4))
+    results = []
+    # several rounds of pieces and blocks of queries (256 tokens), and one piece per stream
+    for method, block_tokens in (("balanced", 256), ("even", 1 << 20)):
+        shard = plan_shards(rules, layout, world, chunk=128, method=method)
+        ql, kl, vl = (shard.scatter(x).detach().requires_grad_() for x in (q, k, v))
+        out = attention(ql, kl, vl, shard, rules, block_tokens=block_tokens)
+        out.backward(shard.scatter(d_out))
+        results.append([shard.gather(x) for x in (out.detach(), ql.grad, kl.grad, vl.grad)])
+    if rank == 0:
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ref, _ = attention_reference(*leaves, layout, rules)
+        ref.backward(d_out.double())
+        refs = [ref.detach()] + [x.grad for x in leaves]
+        for gathered in results:
+            for name, mine, theirs in zip(("out", "dq", "dk", "dv"), gathered, refs):
+                _close(mine, theirs, name)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpus_match_reference(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(_gpus_worker, args=(world, 29300 + random.randrange(500), queue), nprocs=world,
-                       start_method="spawn")
-    found = dict(queue.get() for _ in range(world))
-    assert found == {rank: "ok" for rank in range(world)}, found
+    run_ranks(_gpus_worker, world, backend="nccl")
