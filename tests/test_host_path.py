@@ -278,3 +278,60 @@ def test_the_backward_zeroes_dq_in_the_delta_pass_and_converts_with_the_modules_
     dq, _, _ = launch.backward_pass(plain, plan, q, k, v, out, torch.randn(1, 8, S), d_out, 1.0)
     assert plain.zeroed == [0] and plain.converted == []
     assert torch.equal(dq, torch.zeros_like(dq))  # a zeroed dQ, copied out (the stand-in's kernel adds nothing)
+
+
+def test_the_backwards_counters_are_zeroed_by_the_delta_pass(monkeypatch):
+    """The int32 counters a backward takes zeroed (dq_semaphore: the persistent backward's kv-tile counter in atomic
+    mode, ORDERED_DQ's semaphores per 64-row block of dQ in deterministic mode) are handed to the Delta pass to zero
+    (zero_ints, zero_int_count) instead of a fill launch of their own; launch_backward called without them (after a
+    Delta pass of the caller's) makes them and zeroes them itself."""
+    import ctypes
+
+    from omnigen.kernels import launch
+
+    monkeypatch.setattr(launch, "_stream", lambda: 0)
+    B, H, S, D = 2, 3, 130, 16
+    plan = _stand_in_plan()
+
+    class Module:
+        MODULE_NAME = None
+        CONVERT_LAUNCH = 1
+
+        def __init__(self, **flags: bool) -> None:
+            for name, on in flags.items():
+                setattr(self, name, on)
+            self.delta, self.semaphore, self.count = {}, None, 1
+
+        def backward_delta(self, *args, **keywords):
+            self.delta = keywords
+
+        def backward(self, *args, **keywords):
+            self.semaphore = keywords.get("dq_semaphore")
+            if self.semaphore is not None:
+                self.values = [ctypes.c_int32.from_address(self.semaphore + 4 * i).value for i in range(self.count)]
+
+        def backward_convert(self, *args):
+            pass
+
+    q, out, d_out = (torch.randn(B, H, S, D) for _ in range(3))
+    k, v, lse = torch.randn(B, H, S, D), torch.randn(B, H, S, D), torch.randn(B, H, S)
+
+    def run(module, deterministic=False):
+        launch.backward_pass(module, plan, q, k, v, out, lse, d_out, 1.0, deterministic)
+        return module
+
+    persistent = run(Module(PERSISTENT_BACKWARD=True))
+    assert persistent.delta["zero_int_count"] == 1 and persistent.delta["zero_ints"] == persistent.semaphore != 0
+    ordered = run(Module(ORDERED_DQ=True, PERSISTENT_BACKWARD=True), deterministic=True)
+    assert ordered.delta["zero_int_count"] == B * H * 3 and ordered.delta["zero_ints"] == ordered.semaphore != 0
+    for module, deterministic in ((Module(), False), (Module(ORDERED_DQ=True), False),
+                                  (Module(PERSISTENT_BACKWARD=True), True)):
+        assert "zero_ints" not in run(module, deterministic).delta and module.semaphore is None
+
+    alone = Module(ORDERED_DQ=True)
+    alone.count = B * H * 3  # ceil(130 / 64) blocks a head
+    monkeypatch.setattr(launch, "backward_counters",  # poisoned: launch_backward must zero them itself
+                        lambda module, q, deterministic: torch.full((alone.count,), -1, dtype=torch.int32))
+    delta, dq_accum = torch.empty(B, H, S), torch.zeros(B, H, S, D)
+    launch.launch_backward(alone, plan, q, k, v, lse, d_out, delta, dq_accum, k.clone(), v.clone(), 1.0, True)
+    assert alone.semaphore is not None and alone.values == [0] * (B * H * 3)

@@ -175,8 +175,8 @@ FORWARD = LaunchStruct(
         _table("fwd_ptr", "omnigen.Plan.fwd_ptr: [batch * num_q_tiles * 3 + 1]"),
         _table("fwd_kv", "omnigen.Plan.fwd_kv (empty, address 0, when the plan visits no tile)", nullable=True),
         *_TOKENS,
-        _table("tile_counter", "the persistent sm90 forward's work-tile counter: one int32, zeroed; else null",
-               ctype="int32_t*", binding="keyword", nullable=True),
+        _table("tile_counter", "the persistent sm90 forward's work-tile counter: one int32, zeroed by the launch; "
+               "else null", ctype="int32_t*", binding="keyword", nullable=True),
         Comment("Partial tiles' masks made once per layout (omnigen.plan.bits; the sm90 forward): the slot of each "
                 "q-tile row's\nfirst partial entry [batch * num_q_tiles + 1], and `partial_slots` slots of bits. "
                 "0 slots: none (null pointers)."),
@@ -217,7 +217,9 @@ BACKWARD = LaunchStruct(
               "no atomics", binding_type="bool"),
         Comment("Deterministic mode of modules whose Hopper backward orders its dQ additions (ORDERED_DQ): each\n"
                 "backward-schedule entry's rank among its q-tile's kv-tiles (omnigen.Plan.dq_ranks, parallel to "
-                "bwd_q) and\none zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise."),
+                "bwd_q) and\none zeroed counter per (batch, query head, 64-row block of dQ); in atomic mode the "
+                "persistent backward's\nkv-tile counter, one zeroed int32 (PERSISTENT_BACKWARD). Null otherwise. The "
+                "Delta pass zeroes them (zero_ints)."),
         _table("dq_rank", "", binding="keyword", nullable=True),
         _table("dq_semaphore", "", ctype="int32_t*", binding="keyword", nullable=True),
         Comment("GQA's dK/dV: 0 or 1, float32 per query head (the caller sums each group); heads_q / heads_kv (a "
@@ -242,6 +244,9 @@ DELTA = LaunchStruct(
         Field("batch", "int"), Field("heads_q", "int"), Field("seq_len", "int"),
         _tensor("dq_accum", "float*", "null, or the backward's [batch, heads_q, seq_len, head_dim] float32 to zero",
                 nullable=True, binding="keyword"),
+        _table("zero_ints", "null, or int32 counters the backward takes zeroed (BackwardArgs.dq_semaphore), zeroed "
+               "here too", ctype="int32_t*", binding="keyword", nullable=True),
+        Field("zero_int_count", "int64_t", "how many: at most batch * heads_q * seq_len", binding="keyword"),
     ),
 )
 

@@ -25,12 +25,12 @@ class VariantTraits:
 
     has_backward: bool
     backward_problem: str | None  # why not, when it has none
-    persistent_forward: bool  # the forward takes its work tiles from a counter the caller zeroes
+    persistent_forward: bool  # the forward takes its work tiles from a counter (tile_counter) its launch zeroes
     partial_bits: bool  # the launches read a mask's partial tiles as bits (omnigen.plan.bits)
     ordered_dq: bool  # deterministic mode adds dQ in kv-tile order from the Hopper backward (dq_rank, dq_semaphore)
     group_dkdv: bool  # under GQA the backward adds each group's dK/dV into fp32 [B, Hkv, S, D] (dkdv_group)
     dq_interleaved: bool  # the backward's fp32 dQ has each 8-column group as 0, 2, 4, 6, 1, 3, 5, 7 (convert_gradient)
-    persistent_backward: bool  # the atomic-order backward takes its kv-tiles from a counter the caller zeroes
+    persistent_backward: bool  # the atomic-order backward takes its kv-tiles from a counter (zeroed by Delta's pass)
 
 
 @dataclass(frozen=True)
@@ -148,9 +148,9 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
     values = {**_tensor_values(q=q, k=k, v=v, o=out), "lse": lse.data_ptr(), **_sizes(q, k), "scale": scale,
               **_tables(p)}
     keywords: dict[str, Any] = {}
-    if capabilities(module).persistent_forward:  # its work tiles come from a counter, zeroed per launch
-        # A fresh one per call (a memset on the stream): two launches on two streams never share a counter.
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    if capabilities(module).persistent_forward:  # its work tiles come from a counter its launch zeroes
+        # A fresh one per call: two launches on two streams never share a counter.
+        counter = torch.empty(1, dtype=torch.int32, device=q.device)
         keywords["tile_counter"] = counter.data_ptr()
     keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot", None), getattr(p, "partial_bits", None)))
     if value_scale is not None:
@@ -161,13 +161,28 @@ def launch_forward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def launch_delta(module: Any, out: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor,
-                 dq_accum: torch.Tensor | None = None) -> None:
-    """Delta = rowsum(dO * O) into `delta` [B, Hq, S] float32; `dq_accum` (float32 [B, Hq, S, D], contiguous), if
-    given, zeroed in the same pass."""
+                 dq_accum: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
+    """Delta = rowsum(dO * O) into `delta` [B, Hq, S] float32; `dq_accum` (float32 [B, Hq, S, D], contiguous) and
+    `counters` (the backward's int32 counters, `backward_counters`), if given, zeroed in the same pass."""
     B, Hq, S, _ = out.shape
     values = {**_tensor_values(o=out, d_o=d_out), "delta": delta.data_ptr(), "batch": B, "heads_q": Hq, "seq_len": S}
-    keywords = {"dq_accum": dq_accum.data_ptr()} if dq_accum is not None else {}
+    keywords: dict[str, Any] = {"dq_accum": dq_accum.data_ptr()} if dq_accum is not None else {}
+    if counters is not None:
+        keywords.update(zero_ints=counters.data_ptr(), zero_int_count=counters.numel())
     module.backward_delta(*call_arguments(DELTA, values, _stream()), **keywords)
+
+
+def backward_counters(module: Any, q: torch.Tensor, deterministic: bool) -> torch.Tensor | None:
+    """The int32 counters the backward takes zeroed (dq_semaphore), not yet zeroed: on ORDERED_DQ modules in
+    deterministic mode one per (batch, query head, 64-row block of dQ), on PERSISTENT_BACKWARD modules in atomic mode
+    the kv-tiles' counter; else None. A fresh one per call: two launches on two streams never share one."""
+    caps = capabilities(module)
+    B, Hq, S, _ = q.shape
+    if deterministic and caps.ordered_dq:
+        return torch.empty(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
+    if not deterministic and caps.persistent_backward:
+        return torch.empty(1, dtype=torch.int32, device=q.device)
+    return None
 
 
 def columns_in_order(interleaved: torch.Tensor) -> torch.Tensor:
@@ -194,25 +209,28 @@ def convert_gradient(module: Any, source: torch.Tensor, destination: torch.Tenso
 
 def launch_backward(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                     d_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, scale: float, deterministic: bool, dkdv_group: int = 1) -> None:
+                    dv: torch.Tensor, scale: float, deterministic: bool, dkdv_group: int = 1,
+                    counters: torch.Tensor | None = None) -> None:
     """The dK/dV and dQ kernels. `dq_accum` is float32 [B, Hq, S, D], zeroed (unless deterministic on a module
     without ORDERED_DQ: then overwritten); dk/dv are the element type [B, Hkv, S, D], or under GQA float32: per
     query head [B, Hq, S, D] (dkdv_group 1: the caller sums each group), or [B, Hkv, S, D] zeroed, the groups added
-    by the kernel (dkdv_group = Hq / Hkv: GROUP_DKDV modules, atomic mode)."""
-    B, Hq, S, _ = q.shape
+    by the kernel (dkdv_group = Hq / Hkv: GROUP_DKDV modules, atomic mode). `counters`: `backward_counters`'
+    tensor zeroed by the Delta pass, or None (then made and zeroed here where the module takes them)."""
     values = {**_tensor_values(q=q, k=k, v=v, d_o=d_out, dk=dk, dv=dv), "lse": lse.data_ptr(),
               "delta": delta.data_ptr(), "dq_accum": dq_accum.data_ptr(), **_sizes(q, k), "scale": scale,
               **_tables(p), "bwd_ptr": p.bwd_ptr.data_ptr(), "bwd_q": p.bwd_q.data_ptr(),
               "deterministic": deterministic}
     keywords: dict[str, Any] = {"dkdv_group": dkdv_group} if dkdv_group > 1 else {}
+    if counters is None:
+        counters = backward_counters(module, q, deterministic)
+        if counters is not None:
+            counters.zero_()
+    # (ranks and counters are held until the launch is queued: the caching allocator may hand a freed block on)
     if deterministic and capabilities(module).ordered_dq:  # the order of the dQ additions, per 64-row block
-        # Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
-        ranks, counters = p.dq_ranks(), torch.zeros(B, Hq, -(-S // 64), dtype=torch.int32, device=q.device)
+        ranks = p.dq_ranks()
         keywords = {"dq_rank": ranks.data_ptr(), "dq_semaphore": counters.data_ptr()}
-    elif not deterministic and capabilities(module).persistent_backward:  # its kv-tiles come from a counter
-        # A fresh one per call (a memset on the stream), as the forward's: two streams never share one.
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-        keywords["dq_semaphore"] = counter.data_ptr()
+    elif counters is not None:  # the persistent backward's kv-tiles come from a counter
+        keywords["dq_semaphore"] = counters.data_ptr()
     keywords.update(_partial_bits_keywords(module, getattr(p, "partial_slot_bwd", None),
                                            getattr(p, "partial_bits_bwd", None)))
     module.backward(*call_arguments(BACKWARD, values, _stream()), **keywords)
@@ -244,7 +262,8 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     caps = capabilities(module)
     own_passes = bool(caps.convert_launch)
     dq_accum = (torch.empty if own_passes else torch.zeros)(B, Hq, S, D, dtype=torch.float32, device=q.device)
-    launch_delta(module, out, d_out, delta, dq_accum if own_passes else None)
+    counters = backward_counters(module, q, deterministic) if own_passes else None  # zeroed by Delta too
+    launch_delta(module, out, d_out, delta, dq_accum if own_passes else None, counters)
     partials = Hq != Hkv
     # GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
     # two), else writes fp32 per query head and the groups are summed here (deterministic: a fixed order)
@@ -258,7 +277,7 @@ def backward_pass(module: Any, p: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         dk_kernel, dv_kernel = (make(B, Hkv if grouped else Hq, S, D, dtype=torch.float32, device=q.device)
                                 for _ in range(2))
     launch_backward(module, p, q, k, v, lse, d_out, delta, dq_accum, dk_kernel, dv_kernel, scale, deterministic,
-                    group if grouped else 1)
+                    group if grouped else 1, counters)
     if grouped:
         convert_gradient(module, dk_kernel, dk)
         convert_gradient(module, dv_kernel, dv)

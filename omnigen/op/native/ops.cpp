@@ -185,7 +185,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
   at::Tensor out = heads_inner(B, Hq, S, D, q.options());
   at::Tensor lse = at::empty({B, Hq, S}, q.options().dtype(at::kFloat));
-  // The persistent forward takes its work tiles from a counter, a fresh one per call: two streams never share one.
+  // The persistent forward takes its work tiles from a counter, a fresh one per call (two streams never share one),
+  // which the module's launch zeroes on the stream.
   at::Tensor counter;
   omnigen::ForwardArgs args{};
   set_shared(args, q, k, v, plan, token_segment, token_modality, token_doc, scale, choice.block_m);
@@ -193,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   args.lse = lse.data_ptr<float>();
   args.o_stride_b = out.stride(0), args.o_stride_h = out.stride(1), args.o_stride_s = out.stride(2);
   if (choice.flags & kPersistentForward) {
-    counter = at::zeros({1}, q.options().dtype(at::kInt));
+    counter = at::empty({1}, q.options().dtype(at::kInt));
     args.tile_counter = counter.data_ptr<int32_t>();
   }
   set_partial_bits(args, choice, plan[kPartialSlot], plan[kPartialBits],
@@ -230,6 +231,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
 
   at::Tensor delta = at::empty({B, Hq, S}, f32);  // dO . O per row
   at::Tensor dq_accum = at::empty({B, Hq, S, D}, f32);  // zeroed by the Delta pass
+  // The backward's int32 counters, zeroed by the Delta pass too: deterministic mode's semaphores, one per (batch,
+  // query head, 64-row block of dQ), or the persistent backward's kv-tile counter (a fresh one per call, as the
+  // forward's: two streams never share one). Held until the launches are queued: the caching allocator may hand a
+  // freed block to the next tensor.
+  const bool ordered = deterministic && (choice.flags & kOrderedDq);
+  at::Tensor counters;
+  if (ordered) {
+    counters = at::empty({B, Hq, (S + 63) / 64}, q.options().dtype(at::kInt));
+  } else if (!deterministic && (choice.flags & kPersistentBackward)) {
+    counters = at::empty({1}, q.options().dtype(at::kInt));
+  }
   omnigen::DeltaArgs delta_args{};
   delta_args.o = out.data_ptr(), delta_args.d_o = d_out.data_ptr(), delta_args.delta = delta.data_ptr<float>();
   delta_args.o_stride_b = out.stride(0), delta_args.o_stride_h = out.stride(1), delta_args.o_stride_s = out.stride(2);
@@ -237,9 +249,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   delta_args.d_o_stride_s = d_out.stride(2);
   delta_args.batch = int(B), delta_args.heads_q = int(Hq), delta_args.seq_len = int(S);
   delta_args.dq_accum = dq_accum.data_ptr<float>();
+  if (counters.defined()) {
+    delta_args.zero_ints = counters.data_ptr<int32_t>();
+    delta_args.zero_int_count = counters.numel();
+  }
   raise_unless_ok(choice.delta(delta_args, stream, message, sizeof message), message);
 
-  const bool ordered = deterministic && (choice.flags & kOrderedDq);
   const bool partials = Hq != Hkv;
   // GQA: the kernel adds each group's dK/dV in fp32 itself (atomic mode of GROUP_DKDV modules, groups a power of
   // two), else writes fp32 per query head and the groups are summed below (deterministic: a fixed order). As
@@ -266,19 +281,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   args.bwd_q = address<int32_t>(plan[kBwdQ]);
   args.deterministic = deterministic ? 1 : 0;
   args.dkdv_group = grouped ? int(group) : 1;
-  // Held until the launch is queued: the caching allocator may hand a freed block to the next tensor.
-  at::Tensor ranks, counters;
+  at::Tensor ranks;  // (held as the counters are)
   if (ordered) {
     const int64_t q_tiles = (S + choice.block_m - 1) / choice.block_m, kv_tiles = (S + choice.block_n - 1) / choice.block_n;
     ranks = dq_ranks(plan, B, q_tiles, kv_tiles);
-    counters = at::zeros({B, Hq, (S + 63) / 64}, q.options().dtype(at::kInt));
     args.dq_rank = address<int32_t>(ranks);
-    args.dq_semaphore = counters.data_ptr<int32_t>();
-  } else if (!deterministic && (choice.flags & kPersistentBackward)) {
-    // The persistent backward's kv-tile counter, a fresh one per call as the forward's: two streams never share one.
-    counters = at::zeros({1}, q.options().dtype(at::kInt));
-    args.dq_semaphore = counters.data_ptr<int32_t>();
   }
+  if (counters.defined()) args.dq_semaphore = counters.data_ptr<int32_t>();
   set_partial_bits(args, choice, plan[kPartialSlotBwd], plan[kPartialBitsBwd],
                    ((choice.block_m + 127) / 128) * choice.block_n * 4);
   raise_unless_ok(choice.backward(args, stream, message, sizeof message), message);

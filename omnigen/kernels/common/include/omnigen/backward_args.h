@@ -38,7 +38,8 @@ struct BackwardArgs {
   int deterministic;              // 0: dQ by atomicAdd from the dK/dV kernel; 1: a second kernel per q-tile, no atomics
   // Deterministic mode of modules whose Hopper backward orders its dQ additions (ORDERED_DQ): each
   // backward-schedule entry's rank among its q-tile's kv-tiles (omnigen.Plan.dq_ranks, parallel to bwd_q) and
-  // one zeroed counter per (batch, query head, 64-row block of dQ). Null otherwise.
+  // one zeroed counter per (batch, query head, 64-row block of dQ); in atomic mode the persistent backward's
+  // kv-tile counter, one zeroed int32 (PERSISTENT_BACKWARD). Null otherwise. The Delta pass zeroes them (zero_ints).
   const int32_t* dq_rank;
   int32_t* dq_semaphore;
   // GQA's dK/dV: 0 or 1, float32 per query head (the caller sums each group); heads_q / heads_kv (a power of two):
@@ -53,13 +54,15 @@ struct BackwardArgs {
 
 // rowsum(dO * O) per query row, the Delta the backward reads; and the fp32 dQ zeroed in the same pass.
 struct DeltaArgs {
-  const void* o;    // [batch, heads_q, seq_len, head_dim]
-  const void* d_o;  // [batch, heads_q, seq_len, head_dim]
-  float* delta;     // [batch, heads_q, seq_len], float32, contiguous
+  const void* o;           // [batch, heads_q, seq_len, head_dim]
+  const void* d_o;         // [batch, heads_q, seq_len, head_dim]
+  float* delta;            // [batch, heads_q, seq_len], float32, contiguous
   int64_t o_stride_b, o_stride_h, o_stride_s;
   int64_t d_o_stride_b, d_o_stride_h, d_o_stride_s;
   int batch, heads_q, seq_len;
-  float* dq_accum;  // null, or the backward's [batch, heads_q, seq_len, head_dim] float32 to zero
+  float* dq_accum;         // null, or the backward's [batch, heads_q, seq_len, head_dim] float32 to zero
+  int32_t* zero_ints;      // null, or int32 counters the backward takes zeroed (BackwardArgs.dq_semaphore), zeroed here too
+  int64_t zero_int_count;  // how many: at most batch * heads_q * seq_len
 };
 
 // A gradient accumulated in float32 (dQ, GQA's grouped dK/dV) written out in the element type.

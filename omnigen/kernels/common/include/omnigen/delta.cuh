@@ -1,5 +1,5 @@
 // omnigen: the backward's passes around its kernels, the same for every kernel family: before them Delta =
-// rowsum(dO * O) in fp32 (zeroing the fp32 dQ in the same pass), after them the fp32 gradients converted to the
+// rowsum(dO * O) in fp32 (zeroing the fp32 dQ and the backward's counters in the same pass), after them the fp32 gradients converted to the
 // element type; and the element type's pairs as floats.
 #pragma once
 #include <cstdint>
@@ -64,12 +64,18 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const DeltaArgs ar
     zeros[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     zeros[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  // The backward's int32 counters (its kv-tile counter, deterministic mode's semaphores): one a thread, in place of a
+  // fill launch of their own (launch_delta checks that the grid has a thread for each).
+  if (index < args.zero_int_count) args.zero_ints[index] = 0;
 }
 
 // Queues the Delta kernel on `stream`; the launch's error, if any.
 template <typename Element, int kHeadDim>
 cudaError_t launch_delta(const DeltaArgs& args, cudaStream_t stream) {
   const int64_t threads = int64_t(args.batch) * args.heads_q * args.seq_len * (kHeadDim / 8);
+  if (args.zero_int_count > threads || (args.zero_int_count > 0 && args.zero_ints == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   const int blocks = int((threads + kDeltaThreads - 1) / kDeltaThreads);
   delta_kernel<Element, kHeadDim><<<blocks, kDeltaThreads, 0, stream>>>(args);
   return cudaGetLastError();

@@ -24,7 +24,7 @@ struct ForwardArgs {
   const int32_t* token_segment;   // LayoutTables.token_segment [batch, seq_len]
   const int32_t* token_modality;  // LayoutTables.token_modality [batch, seq_len]
   const int32_t* token_doc;       // LayoutTables.token_doc [batch, seq_len]
-  int32_t* tile_counter;          // the persistent sm90 forward's work-tile counter: one int32, zeroed; else null
+  int32_t* tile_counter;          // the persistent sm90 forward's work-tile counter: one int32, zeroed by the launch; else null
   // Partial tiles' masks made once per layout (omnigen.plan.bits; the sm90 forward): the slot of each q-tile row's
   // first partial entry [batch * num_q_tiles + 1], and `partial_slots` slots of bits. 0 slots: none (null pointers).
   const int32_t* partial_slot;

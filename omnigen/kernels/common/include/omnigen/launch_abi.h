@@ -14,7 +14,7 @@
 
 namespace omnigen {
 
-constexpr int kLaunchAbi = 5;
+constexpr int kLaunchAbi = 6;
 
 using ForwardLaunch = int (*)(const ForwardArgs&, uintptr_t, char*, int);
 using BackwardLaunch = int (*)(const BackwardArgs&, uintptr_t, char*, int);
