@@ -1,6 +1,6 @@
 // omnigen: the backward's passes around its kernels, the same for every kernel family: before them Delta =
-// rowsum(dO * O) in fp32 (zeroing the fp32 dQ and the backward's counters in the same pass), after them the fp32 gradients converted to the
-// element type; and the element type's pairs as floats.
+// rowsum(dO * O) in fp32 (zeroing the fp32 dQ and the backward's counters in the same pass), after them the fp32
+// gradients converted to the element type; and the element type's pairs as floats.
 #pragma once
 #include <cstdint>
 #include <type_traits>
