@@ -47,8 +47,11 @@ def _rank_main(body: Callable[[int, int], None], rank: int, world: int, port: in
         torch.set_num_threads(1)
     outcome = OK
     try:
-        # A generous timeout: on a 2-core machine busy with other work a rank can fall minutes behind its peer.
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        # A generous timeout: on a 2-core machine busy with other work a rank can fall minutes behind its peer. NCCL
+        # is told its rank's GPU, so its collectives (the barrier below) need not guess it.
+        device = torch.device("cuda", rank) if backend == "nccl" else None
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600),
+                                device_id=device)
         body(rank, world)
         dist.barrier()  # no rank leaves while a peer may still be receiving from it
     except BaseException:  # noqa: BLE001 - the parent reports it
