@@ -21,8 +21,11 @@ Backends, each in this process on the same batches from the same initial weights
 
 Per run (config x S x backend): tokens/s over the timed steps (synchronize + perf_counter, the per-step
 mask made inside the loop), peak memory (torch.cuda.max_memory_allocated, reset per run), the loss curve,
-and the step's GPU time split by the PyTorch profiler over `--profile-steps` extra steps into attention
-forward, attention backward, unclassified and the rest (`classify_kernel`). A backend that cannot run
+and the step's GPU time split by the PyTorch profiler over `--profile-steps` extra steps (by default as many as
+the timed steps, replaying their batches: documents per sequence, hence attention's pairs, differ by batch) into
+attention forward, attention backward, unclassified and the rest (`classify_kernel`), with the GPU's idle time
+between kernels and its longest gaps; `host_step_ms`, how long a step held the host (far below step_ms: the host
+ran ahead of the GPU); `--sync-debug` lists where a step made the host wait for the GPU. A backend that cannot run
 (no GPU, out of memory, a refused shape) is recorded with the reason and the others carry on. The table
 gives each backend's tokens/s against flex and against cudnn_causal, and the ladder
 (x - sdpa_dense) / (cudnn_causal - sdpa_dense): 0% is the dense-mask baseline, 100% the causal ceiling.
@@ -55,6 +58,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -640,8 +644,9 @@ def time_split(backend: str, kernels: list[tuple[str, float]], steps: int) -> di
     return per_step
 
 
-def profile_kernels(step: Callable[[], Any], steps: int) -> list[tuple[str, float]]:
-    """(name, microseconds) of every CUDA kernel (and memcpy/memset) the device ran during `steps` calls."""
+def profile_kernels(step: Callable[[], Any], steps: int, spans: list | None = None) -> list[tuple[str, float]]:
+    """(name, microseconds) of every CUDA kernel (and memcpy/memset) the device ran during `steps` calls;
+    `spans`, when given, receives (start us, end us, name) of each."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -649,7 +654,25 @@ def profile_kernels(step: Callable[[], Any], steps: int) -> list[tuple[str, floa
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if spans is not None:
+        spans.extend((e.time_range.start, e.time_range.end, e.name) for e in events)
+    return [(e.name, e.time_range.elapsed_us()) for e in events]
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 6) -> dict:
+    """Where the GPU ran nothing between the first and last kernel of the profiled steps: the idle milliseconds a
+    step, and the longest gaps with the kernels either side (a gap after a short kernel and before the next step's
+    first one is the host keeping the GPU waiting: a sync, or host work longer than the queued kernels)."""
+    gaps, busy_until, last = [], None, ""
+    for start, end, name in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"idle_ms": round(sum(g[0] for g in gaps) / steps / 1e3, 3),
+            "longest_gaps": [{"us": round(us, 1), "after": a[:90], "before": b[:90]} for us, a, b in gaps[:top]]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -660,7 +683,7 @@ def profile_kernels(step: Callable[[], Any], steps: int) -> list[tuple[str, floa
 class RunSettings:
     steps: int = 10
     warmup: int = 3
-    profile_steps: int = 2
+    profile_steps: int | None = None  # None: as many as `steps`, on the same batches
     compile: bool = True
     fullgraph: bool = True
     lr: float = 3e-4
@@ -669,6 +692,28 @@ class RunSettings:
     data_pool: int = 8
     image_tokens: int = 256
     documents: tuple[int, int] = (2, 4)
+    sync_debug: bool = False
+
+
+def find_syncs(step: Callable[[], Any], device: torch.device) -> list[str]:
+    """One more step under torch.cuda.set_sync_debug_mode("warn"): where the step made the host wait for the GPU
+    (`.item()`, `.tolist()`, a blocking copy, ...), as "file:line: message" with a count, most frequent first.
+    Syncs inside the driver (cudaFree, cudaHostAlloc) are not reported by this mode."""
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        _sync(device)
+    seen: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message):
+            where = f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
+            seen[where] = seen.get(where, 0) + 1
+    return [f"{n}x {where}" for where, n in sorted(seen.items(), key=lambda kv: -kv[1])]
 
 
 def _sync(device: torch.device) -> None:
@@ -724,8 +769,8 @@ def train(backend: Backend, cfg: ModelConfig, seq_len: int, batch: int, batches:
                                   fused=device.type == "cuda")
     losses: list[torch.Tensor] = []
 
-    def step() -> None:
-        b = batches[len(losses) % len(batches)]
+    def step(index: int | None = None) -> None:
+        b = batches[(len(losses) if index is None else index) % len(batches)]
         mask = backend.make_mask(b)  # per step, inside the timed loop, outside the compiled model
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, text, image = forward(b.tokens, b.patches, b.noise, b.alpha, b.targets, b.positions,
@@ -747,21 +792,35 @@ def train(backend: Backend, cfg: ModelConfig, seq_len: int, batch: int, batches:
             step()
             bar.update(1)
         _sync(device)
-        graphs, start = _graphs(), time.perf_counter()
+        graphs, start, host = _graphs(), time.perf_counter(), []
         for _ in range(s.steps):
+            entered = time.perf_counter()
             step()
+            host.append(time.perf_counter() - entered)
             bar.update(1)
         _sync(device)
         seconds = time.perf_counter() - start
     out = {"prepare_s": round(prepare_s, 2), "first_step_s": round(first_step_s, 2),
            "step_ms": round(1e3 * seconds / s.steps, 2), "tokens_per_s": round(s.steps * batch * seq_len / seconds, 1),
+           # how long step() held the host (median): far below step_ms, the host ran ahead of the GPU; near it, the
+           # host waited for the GPU inside the step (a sync, or over a long run the launch queue full)
+           "host_step_ms": round(1e3 * sorted(host)[len(host) // 2], 2),
            "recompiles_while_timed": _graphs() - graphs if s.compile else None}
+    if s.sync_debug and device.type == "cuda":
+        out["syncs"] = find_syncs(step, device)
     if device.type == "cuda":
         out["peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-        if s.profile_steps > 0:
+        profiled = s.steps if s.profile_steps is None else s.profile_steps
+        if profiled > 0:
             try:
-                kernels = profile_kernels(step, s.profile_steps)
-                out.update(time_split(backend.name, kernels, s.profile_steps))
+                # the timed steps' batches again, in their order: the split then adds up to the timed step (the
+                # documents per sequence, hence the attention's pairs, differ from batch to batch)
+                replay = iter([s.warmup + i for i in range(profiled)])
+                spans: list = []
+                kernels = profile_kernels(lambda: step(next(replay)), profiled, spans)
+                out.update(time_split(backend.name, kernels, profiled))
+                out.update(idle_gaps(spans, profiled))
+                out["profiled_batches"] = sorted({(s.warmup + i) % len(batches) for i in range(profiled)})
             except Exception as exc:  # noqa: BLE001 - the timing stands without the split
                 out["profile_error"] = _first_line(exc)
     values = torch.stack(losses).float().cpu()
@@ -979,7 +1038,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     p.add_argument("--steps", type=int, default=10, help="timed steps (their losses, like all others, go to the JSON)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, kernel builds)")
-    p.add_argument("--profile-steps", type=int, default=2, help="extra steps under the profiler (CUDA; 0: none)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="extra steps under the profiler, replaying the timed steps' batches (CUDA; default: as many "
+                        "as --steps, so the time split is of the timed steps' data; 0: none)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on CUDA yes, on the CPU no)")
     p.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
@@ -994,6 +1055,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no run once the elapsed time plus the longest run so far would pass this many "
                         "seconds (those runs are recorded as skipped): a call under a time limit keeps its results")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="one more step per run under torch.cuda.set_sync_debug_mode('warn'): list where it made "
+                        "the host wait for the GPU (JSON: syncs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, help="write every figure here (after every run, and at the end)")
     p.add_argument("--from-json", type=Path, nargs="+", metavar="JSON",
@@ -1051,7 +1115,7 @@ def main(argv: list[str] | None = None) -> dict:
                            compile=device.type == "cuda" if args.compile is None else args.compile,
                            fullgraph=args.fullgraph, lr=args.lr, image_loss_weight=args.image_loss_weight,
                            seed=args.seed, data_pool=args.data_pool, image_tokens=args.image_tokens,
-                           documents=tuple(args.documents))
+                           documents=tuple(args.documents), sync_debug=args.sync_debug)
     rules = omnigen.Rules.load(RULES_PATH)
     result: dict = {"info": run_info(args, settings, device), "runs": [], "loss_agreement": []}
     image_id = rules.modality_id("image")
@@ -1061,7 +1125,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"config {cfg.describe()}", flush=True)
         for S in args.seq_lens:
             B = args.tokens // S
-            count = min(settings.data_pool, settings.warmup + settings.steps + settings.profile_steps)
+            count = min(settings.data_pool, settings.warmup + settings.steps + 1)
             batches = [make_batch(cfg, rules, S, B, i, seed=settings.seed, image_tokens=settings.image_tokens,
                                   documents=settings.documents, device=device) for i in range(count)]
             pairs = attention_pairs(batches[0].modality_ids, batches[0].document_ids, image_id)
@@ -1083,7 +1147,14 @@ def main(argv: list[str] | None = None) -> dict:
                     row["attention_flop_share"] = round(attention_flop_share(cfg, B * S, row_pairs), 3)
                     row["attention_pairs_first_batch"] = row_pairs
                     print(f"  S={S:>6} B={B:<3} {backend:<13} {row['tokens_per_s']:>12,.0f} tokens/s  "
-                          f"first step {row['first_step_s']:.1f} s  final loss {row['final_loss']:.4f}", flush=True)
+                          f"first step {row['first_step_s']:.1f} s  final loss {row['final_loss']:.4f}  "
+                          f"host {row['host_step_ms']:.1f} of {row['step_ms']:.1f} ms a step", flush=True)
+                    for where in row.get("syncs", ()):
+                        print(f"    sync: {where}", flush=True)
+                    if "idle_ms" in row:
+                        print(f"    GPU idle {row['idle_ms']:.1f} ms a step (profiled); longest gaps: " + "; ".join(
+                            f"{g['us'] / 1e3:.2f} ms after {g['after'][:40]} before {g['before'][:40]}"
+                            for g in row["longest_gaps"][:4]), flush=True)
                 else:
                     print(f"  S={S:>6} B={B:<3} {backend:<13} {row['status']}: {row.get('reason') or row.get('error')}",
                           flush=True)
