@@ -39,10 +39,12 @@ def main() -> None:
             be = ts.make_backend(name, rules, cfg, dev)
             if name == "flex":
                 be.prepare(True)
-            i = [0]
+            made = [0]
 
             def one():
-                be.make_mask(batches[i[0] % 4]); i[0] += 1
+                be.make_mask(batches[made[0] % len(batches)])
+                made[0] += 1
+
             for _ in range(3):
                 one()
             host, wall = timed(one)

@@ -199,7 +199,6 @@ def test_kernel_classes():
     assert (split["attn_fwd_ms"], split["attn_bwd_ms"], split["rest_ms"], split["kernel_ms"]) == (1.5, 0.25, 0.5, 2.25)
 
 
-
 def test_idle_gaps_counts_only_time_no_kernel_covers():
     # (start us, end us, name): b runs inside a's span, c overlaps a's end, then two gaps: 30 us and 500 us
     spans = [(0.0, 100.0, "a"), (10.0, 20.0, "b"), (90.0, 150.0, "c"), (180.0, 200.0, "d"), (700.0, 710.0, "e")]
@@ -207,6 +206,7 @@ def test_idle_gaps_counts_only_time_no_kernel_covers():
     assert gaps["idle_ms"] == 0.265  # (30 + 500) us over 2 steps
     assert [(g["us"], g["after"], g["before"]) for g in gaps["longest_gaps"]] == [(500.0, "d", "e"), (30.0, "c", "d")]
     assert train_step.idle_gaps([], steps=1) == {"idle_ms": 0.0, "longest_gaps": []}
+
 
 def test_a_tiny_run_of_main_writes_every_figure(tmp_path, capsys):
     path = tmp_path / "train.json"
