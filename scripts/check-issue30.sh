@@ -21,14 +21,16 @@ source scripts/check_steps.sh  # record, elapsed, print_summary, log_environment
 
 log_environment "$out"
 
+rules_file() {  # causal or transfusion: its rules file
+  if [ "$1" = transfusion ]; then echo examples/rules/transfusion.yaml; else echo benchmarks/rules/causal.yaml; fi
+}
+
 bench() {  # name, dims, extra options...
-  local name=$1 dims=$2 t rules file
+  local name=$1 dims=$2 t rules
   shift 2
   for rules in causal transfusion; do
     t=$(date +%s)
-    file=benchmarks/rules/causal.yaml
-    [ "$rules" = transfusion ] && file=examples/rules/transfusion.yaml
-    timeout 280 python3 -m omnigen bench --rules "$file" --dims "$dims" --sizes 8192,32768 \
+    timeout 280 python3 -m omnigen bench --rules "$(rules_file $rules)" --dims "$dims" --sizes 8192,32768 \
       --peers omnigen,cudnn_causal --rounds 3 "$@" --json "$out/${name}_$rules.json" > "$out/${name}_$rules.log" 2>&1
     local rc=$?
     grep -E " (omnigen|cudnn_causal) " "$out/${name}_$rules.log" | tail -8
@@ -40,13 +42,11 @@ if want 0; then
   echo "== 0. build: both rules, d64/d128/d256, bf16 and fp16, sm_90a"
   for rules in causal transfusion; do
     t=$(date +%s)
-    file=benchmarks/rules/causal.yaml
-    [ "$rules" = transfusion ] && file=examples/rules/transfusion.yaml
     # the same rules with a kernel section naming every variant (a variant does not depend on that section)
     python3 -c 'import sys, yaml
 data = yaml.safe_load(open(sys.argv[1]))
 data["kernel"] = {"head_dims": [64, 128, 256], "dtypes": ["bf16", "fp16"]}
-yaml.safe_dump(data, open(sys.argv[2], "w"), sort_keys=False)' "$file" "$out/build_$rules.yaml"
+yaml.safe_dump(data, open(sys.argv[2], "w"), sort_keys=False)' "$(rules_file $rules)" "$out/build_$rules.yaml"
     timeout 280 python3 -m omnigen build --rules "$out/build_$rules.yaml" --arch sm_90a > "$out/build_$rules.log" 2>&1
     rc=$?; tail -3 "$out/build_$rules.log"; record "build_$rules" $rc "$(elapsed "$t")"
   done

@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.folder} is not a folder")
     lines, ok = table(args.folder)
     print("\n".join(lines))
-    print("\nevery criterion that ran holds" if ok else "\nsome criteria do not hold (BELOW / MISS above)")
+    if not collect(args.folder) and not (args.folder / "fp8.json").exists():
+        print(f"\nno criterion judged: no bench or FP8 JSON in {args.folder} yet")
+    else:
+        print("\nevery criterion that ran holds" if ok else "\nsome criteria do not hold (BELOW / MISS above)")
     return 0 if ok else 1
 
 
