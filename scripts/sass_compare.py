@@ -13,7 +13,9 @@ into another namespace or translation unit changes nothing here.
         --shift forward_kernel@sm_90a:0x440:-0x80
 
 Each kernel's line also counts its local-memory instructions (LDL/STL) and, of those, the ones inside its step loops
-(`step_loop_local_memory`): issue 30 asks for none there.
+(`step_loop_local_memory`): issue 30 asks for none there. And per step loop, its R2UR against its tensor products
+(`step_loop_register_moves`): a change that moves the wgmma descriptors off the uniform datapath shows there as
+several R2UR a product, before any GPU time is spent on it.
 
 --shift KERNEL[@VARIANT]:FROM:DELTA compares that kernel (of the variants whose name contains VARIANT) as if its
 earlier parameters at c[0x0][FROM] and above had moved by DELTA bytes (a kernel parameter that grew or shrank;
@@ -87,13 +89,14 @@ def normalised_sass(text: str) -> dict[str, list[str]]:
 
 TENSOR_OP = re.compile(r"\b(HGMMA|HMMA|QGMMA)\b")
 LOCAL_MEMORY = re.compile(r"\b(LDL|STL)\b")
+UNIFORM_MOVE = re.compile(r"\bR2UR\b")
 
 
-def step_loop_local_memory(lines: list[str]) -> tuple[int, int]:
-    """(local-memory instructions, those inside a step loop) of a normalised kernel: instruction i sits at address
-    16 i. A loop is a branch back to an earlier address whose range holds no unpredicated EXIT (ptxas puts slow paths,
-    such as an mbarrier wait's retry, after the kernel's end and branches back from there: not loops); a step loop is
-    an innermost loop that issues tensor products (a persistent grid's loop over work tiles is not, it holds them)."""
+def step_loops(lines: list[str]) -> list[tuple[int, int]]:
+    """The step loops of a normalised kernel, as (first, last) instruction indices: instruction i sits at address 16 i.
+    A loop is a branch back to an earlier address whose range holds no unpredicated EXIT (ptxas puts slow paths, such
+    as an mbarrier wait's retry, after the kernel's end and branches back from there: not loops); a step loop is an
+    innermost loop that issues tensor products (a persistent grid's loop over work tiles is not, it holds them)."""
     loops = []
     for i, line in enumerate(lines):
         match = re.search(r"\bBRA (0x[0-9a-f]+)", line)
@@ -102,9 +105,23 @@ def step_loop_local_memory(lines: list[str]) -> tuple[int, int]:
     exits = [i for i, line in enumerate(lines) if line == "EXIT"]
     products = [i for i, line in enumerate(lines) if TENSOR_OP.search(line)]
     loops = [(a, b) for a, b in loops if not any(a <= e <= b for e in exits) and any(a <= p <= b for p in products)]
-    innermost = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+    return [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+
+
+def step_loop_local_memory(lines: list[str]) -> tuple[int, int]:
+    """(local-memory instructions, those inside a step loop) of a normalised kernel."""
+    innermost = step_loops(lines)
     local = [i for i, line in enumerate(lines) if LOCAL_MEMORY.search(line)]
     return len(local), sum(1 for i in local if any(a <= i <= b for a, b in innermost))
+
+
+def step_loop_register_moves(lines: list[str]) -> list[tuple[int, int]]:
+    """(R2UR, tensor products) of each step loop, in address order. R2UR moves a vector register into a uniform one;
+    wgmma takes its descriptors from uniform registers, so where ptxas keeps a step's descriptor arithmetic on the
+    uniform datapath a loop holds a few per step, and where it lost it, one or two per descriptor: 4 a product (the
+    folded forward at d64 went from 8 to 32 per loop of 12 products and was 11-13% slower, RESULTS.md)."""
+    return [(sum(1 for line in lines[a:b + 1] if UNIFORM_MOVE.search(line)),
+             sum(1 for line in lines[a:b + 1] if TENSOR_OP.search(line))) for a, b in step_loops(lines)]
 
 
 def resource_usage(text: str) -> dict[str, str]:
@@ -248,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         if any(total for total, _ in local.values()):
             print(f"{'':60s} local memory (in step loops): " +
                   ", ".join(f"{k} {total} ({inside})" for k, (total, inside) in local.items() if total))
+        moves = {k: step_loop_register_moves(v) for k, v in sorted(entry["sass"].items())}
+        if any(moves.values()):
+            print(f"{'':60s} R2UR / products per step loop: " +
+                  ", ".join(f"{k} " + " ".join(f"{r}/{p}" for r, p in loops) for k, loops in moves.items() if loops))
     (args.out / "usage.json").write_text(json.dumps(usage, indent=1, sort_keys=True))
     if args.against is None:
         return 0

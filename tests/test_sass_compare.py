@@ -1,4 +1,4 @@
-"""scripts/sass_compare.py's count of local memory in step loops, on a hand-written listing (one instruction a line
+"""scripts/sass_compare.py's count of local memory and of R2UR in step loops, on a hand-written listing (one instruction a line
 from address 0, 16 bytes each, as the script normalises cuobjdump's SASS)."""
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ LISTING = [
 def test_only_local_memory_in_innermost_loops_with_products_counts():
     total, in_step_loops = load_script("sass_compare").step_loop_local_memory(LISTING)
     assert (total, in_step_loops) == (4, 1)
+
+
+def test_register_moves_count_per_step_loop_only():
+    listing = ["R2UR UR4, R2"] + LISTING[:3] + ["R2UR UR4, R8", "R2UR UR5, R9"] + LISTING[3:]
+    # the branches' targets moved by three instructions: shift them (0x30 -> 0x60, 0x10 -> 0x20, 0xb0 -> 0xe0)
+    shifted = [line.replace("0xb0", "0xe0").replace("0x30", "0x60").replace("0x10", "0x20") if "BRA" in line else line
+               for line in listing]
+    script = load_script("sass_compare")
+    assert script.step_loops(shifted) == [(6, 10)]
+    shifted.insert(8, "R2UR UR6, R10")  # one more inside the step loop (its back edge moves one down)
+    assert script.step_loop_register_moves(shifted) == [(1, 1)]
 
 
 def test_a_listing_without_loops_has_no_step_loop_local_memory():
