@@ -119,7 +119,9 @@ def step_loop_register_moves(lines: list[str]) -> list[tuple[int, int]]:
     """(R2UR, tensor products) of each step loop, in address order. R2UR moves a vector register into a uniform one;
     wgmma takes its descriptors from uniform registers, so where ptxas keeps a step's descriptor arithmetic on the
     uniform datapath a loop holds a few per step, and where it lost it, one or two per descriptor: 4 a product (the
-    folded forward at d64 went from 8 to 32 per loop of 12 products and was 11-13% slower, RESULTS.md)."""
+    folded forward at d64 went from 8 to 32 per loop of 12 products and was 11-13% slower). A sign to look at before
+    timing, not a cost model: the backward's descriptors forced uniform (half the R2UR) measured 1-4% slower
+    (RESULTS.md, "Warp-uniform wgmma descriptors, tried and dropped")."""
     return [(sum(1 for line in lines[a:b + 1] if UNIFORM_MOVE.search(line)),
              sum(1 for line in lines[a:b + 1] if TENSOR_OP.search(line))) for a, b in step_loops(lines)]
 
