@@ -1,5 +1,5 @@
-"""scripts/sass_compare.py's count of local memory and of R2UR in step loops, on a hand-written listing (one instruction a line
-from address 0, 16 bytes each, as the script normalises cuobjdump's SASS)."""
+"""scripts/sass_compare.py's counts of local memory and of R2UR in step loops, on a hand-written listing (one
+instruction a line from address 0, 16 bytes each, as the script normalises cuobjdump's SASS)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def test_only_local_memory_in_innermost_loops_with_products_counts():
 
 def test_register_moves_count_per_step_loop_only():
     listing = ["R2UR UR4, R2"] + LISTING[:3] + ["R2UR UR4, R8", "R2UR UR5, R9"] + LISTING[3:]
-    # the branches' targets moved by three instructions: shift them (0x30 -> 0x60, 0x10 -> 0x20, 0xb0 -> 0xe0)
+    # one instruction in front and two before the step loop: its targets move (1 -> 2, 3 -> 6, 11 -> 14; the last
+    # branch's, into a range holding EXIT either way, stays)
     shifted = [line.replace("0xb0", "0xe0").replace("0x30", "0x60").replace("0x10", "0x20") if "BRA" in line else line
                for line in listing]
     script = load_script("sass_compare")
