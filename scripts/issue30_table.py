@@ -79,7 +79,8 @@ def table(folder: Path) -> tuple[list[str], bool]:
         digits = 4 if abs(value - floor) < 5e-4 else 3  # 1.0497 is below 1.05, and should not read "1.050"
         return f"{value:.{digits}f}x {'ok' if good else 'BELOW ' + format(floor, '.2f')}"
 
-    lines.append("| rules | D | S | forward (>= 1.05x) | forward+backward (>= floor) | per allowed pair: fwd / fwd+bwd |")
+    lines.append("| rules | D | S | forward (>= 1.05x) | forward+backward (>= floor) | "
+                 "per allowed pair: fwd / fwd+bwd |")
     lines.append("| --- | --- | --- | --- | --- | --- |")
     mha = {rules: data.get(("bf16", rules), {}) for rules in RULES}
     factors: dict[str, dict[tuple[int, int], float]] = {rules: {} for rules in RULES}
