@@ -434,3 +434,38 @@ def test_sm90_forward_tile_order_options_give_the_default_bits(head_dim, persist
     expected, expected_lse = run_forward(default, rules, layout, q, k, v)
     assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
     assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+
+
+# ---- folded tile boundaries (the fold_tiles option): the next tile's first step issued beside this tile's last P V,
+# Q in two buffers, O staged in the finished tile's Q rows (with O by TMA). Per tile the arithmetic is the default's, in
+# the same order, so the output is the default module's bit for bit: many tiles per SM with empty schedule rows (pad),
+# short documents (tiles of one or two kv-steps, where the fold meets the next fold), the small cases (fewer tiles than
+# SMs, a tile of all-pad rows), with and without O by TMA.
+SHORT_DOCUMENTS = " ".join(f"text:{30 + (37 * i) % 220}@{i}" for i in range(60))
+FOLD_LAYOUTS = {
+    "many_tiles": PERSISTENT_LAYOUTS,
+    "short_documents": [SHORT_DOCUMENTS, SHORT_DOCUMENTS.replace("text:30@0", "pad:30@0")],
+    "small": ["text:30 pad:20 image:50 text:28@1 image:72@1 pad:8@1"],
+}
+
+
+@pytest.mark.parametrize("head_dim,options", [
+    (128, {}), (128, {"output_by_tma": 0}), (64, {}), (64, {"output_by_tma": 2}), (128, {"pingpong": True}),
+], ids=["d128-o-in-q", "d128-o-stored", "d64-o-stored", "d64-o-in-q", "d128-pingpong"])
+@pytest.mark.parametrize("layouts", sorted(FOLD_LAYOUTS))
+@pytest.mark.parametrize("rules", [TRANSFUSION, MIXED], ids=["transfusion", "mixed"])
+def test_sm90_folded_tile_boundaries_give_the_default_bits(head_dim, options, layouts, rules):
+    if "sm90" not in FAMILY_NAMES:
+        pytest.skip("the sm90 family runs on Hopper only")
+    config = _config(head_dim, "bf16", "sm90")
+    default = cache.get_module(rules, with_options(config, **options))
+    folded = cache.get_module(rules, with_options(config, fold_tiles=True, **options))
+    texts = FOLD_LAYOUTS[layouts]
+    layout = omnigen.Layout.batch([omnigen.Layout.parse(t) for t in texts]) if len(texts) > 1 else omnigen.Layout.parse(texts[0])
+    q, k, v = _inputs(len(texts), 16, 4, layout.seq_len, head_dim, torch.bfloat16, strided=True)
+    out, lse = run_forward(folded, rules, layout, q, k, v)
+    expected, expected_lse = run_forward(default, rules, layout, q, k, v)
+    assert not torch.isnan(out).any(), "the kernel left NaN (unwritten or computed) in out"
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    if layouts == "short_documents" and not options:  # a layout no other test runs: the float64 reference once
+        _check_sliced(rules, layout, q, k, v, out, lse, "bf16")

@@ -139,7 +139,7 @@ def test_persistent_scheduling_is_an_option(persistent):
     forward, binding = sources[names["kernel"]], sources[names["binding"]]
     assert f"constexpr bool kPersistent = {'true' if persistent else 'false'};" in forward
     assert f"constexpr bool kPersistentForward = {'true' if persistent else 'false'};" in binding
-    for text in ("uint64_t q_empty;", "HandedTile next_tile[2];", "atomicAdd(args.tile_counter, 1)",
+    for text in ("uint64_t q_empty[kQBuffers];", "HandedTile next_tile[2];", "atomicAdd(args.tile_counter, 1)",
                  "cudaDevAttrMultiProcessorCount", "cudaDevAttrL2CacheSize",
                  f"static_assert(sizeof(SharedStorage) == {resources.Resources(config).shared_storage_bytes}"):
         assert text in forward, text
@@ -324,8 +324,37 @@ def test_pingpong_renders_turns_around_every_issue_and_is_off_by_default():
     assert "constexpr bool kPingPong = false;" in forward(hopper(64))
     source = forward(hopper(64, pingpong=True))
     assert "constexpr bool kPingPong = true;" in source
-    assert source.count("wait_turn();") == 3 and source.count("pass_turn();") == 3
+    # the first step, every later step, a folded tile boundary (fold_into, rendered always) and the last P V
+    assert source.count("wait_turn();") == 4 and source.count("pass_turn();") == 4
     assert source.count("begin_turns();") == 2 and source.count("end_turns();") == 2  # persistent and grid paths
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_fold_tiles_takes_two_q_buffers_and_stages_o_in_them(head_dim):
+    """The fold_tiles option: off by default; on, two Q buffers and their barriers, the folded loops, and with O by
+    TMA no staging buffer of its own (O goes out through the finished tile's Q rows), so shared memory grows by one Q
+    tile less the staging buffer it drops; refused where it cannot be built (d256, FP8, the grid of tiles)."""
+    def forward(config):
+        return codegen.render(RULES, config)[codegen.source_names(RULES, config)["kernel"]]
+
+    assert "constexpr bool kFoldTiles = false;" in forward(hopper(head_dim))
+    for output_by_tma in (0, 2):
+        default, folded = hopper(head_dim, output_by_tma=output_by_tma), hopper(head_dim, output_by_tma=output_by_tma,
+                                                                                 fold_tiles=True)
+        assert not kernels.problems(folded)
+        source = forward(folded)
+        assert "constexpr bool kFoldTiles = true;" in source and "constexpr int kQBuffers = kFoldTiles ? 2 : 1;" in source
+        assert "consume_tiles_folded(shared, maps, args, order);" in source
+        r, base = resources.Resources(folded), resources.Resources(default)
+        q_tile = 128 * head_dim * 2
+        staged = 2 * (head_dim // 64) * resources.OUTPUT_BOX_BYTES if output_by_tma else 0
+        assert r.output_staged_boxes == base.output_staged_boxes
+        assert abs(r.shared_storage_bytes - (base.shared_storage_bytes + q_tile - staged)) <= 1024
+        assert f"static_assert(sizeof(SharedStorage) == {r.shared_storage_bytes}" in source
+    for config in (hopper(256, fold_tiles=True), hopper(head_dim, fold_tiles=True, persistent=False),
+                   KernelConfig(128, "e4m3", "sm_90a", TileConfig(128, 192, 12, 2), kernel_family="sm90",
+                                options=HopperOptions(fold_tiles=True), forward_only=True)):
+        assert any("fold_tiles" in p for p in kernels.problems(config)), config
 
 
 @pytest.mark.parametrize("head_dim", (64, 128))

@@ -87,6 +87,7 @@ class Sm90Family(KernelFamily):
             "softmax_chains": r.softmax_chains,
             "pingpong": o.pingpong,
             "output_staged_boxes": r.output_staged_boxes,
+            "fold_tiles": r.fold_tiles,
             # the backward
             "hopper_backward": not problems,
             "backward_supported": not problems,

@@ -58,6 +58,14 @@ class HopperOptions(KernelOptions):
     # mask -3.7% / -3.8% at 4K / 8K, Transfusion -2.1%, d64 -0.1..-1.0% (H200; on paper -3.3% / -4.1%); nothing
     # where the sections already divide the pairs ("Thirtieth session: the tile-order options, run").
     balanced_sections: bool = True
+    # The persistent forward's tile boundary folded into one ordinary step: Q in two buffers (the producer loads the
+    # next tile's while this one runs), the next tile's first S = Q K^T issued beside this tile's last P V and its
+    # softmax under that product, and O (output_by_tma) staged in the finished tile's own Q rows, so shared memory
+    # stays at today's size. At d64 and d128, 16-bit, persistent only. Off: measured neutral at d128 and 11-13%
+    # slower at d64 before the fix of its step loops' code (a warp vote on the loop-carried `started` flag), which has
+    # not run yet ("Built, measured, dropped: the forward's tile boundary folded into one step"; "The folded
+    # forward's codegen fix").
+    fold_tiles: bool = False
 
     # ---- the Hopper backward
     # d256's backward: the CTA's 64 keys in both consumer warpgroups, each holding dK/dV for half the head dims,

@@ -130,13 +130,31 @@ class Resources:
 
     def _storage_bytes(self, staged_boxes: int) -> int:
         t = self.config.tile
-        q = t.block_m * self.row_bytes
+        q_buffers = 2 if self.fold_tiles else 1
+        q = q_buffers * t.block_m * self.row_bytes
         kv = t.block_n * self.row_bytes
-        output = 2 * staged_boxes * OUTPUT_BOX_BYTES  # two consumer warpgroups' staging boxes
+        # two consumer warpgroups' staging boxes (folded tiles: in the finished tile's Q, no bytes of their own)
+        output = 0 if self.fold_tiles else 2 * staged_boxes * OUTPUT_BOX_BYTES
         tables = t.stages * 3 * t.block_n * 4
-        barriers = 8 * (2 + 4 * t.stages + 4)
+        barriers = 8 * (2 * q_buffers + 4 * t.stages + 4)
         slots = 2 * 48  # the persistent grid's two handed tiles (HandedTile: 12 int32)
         return -(-(q + 2 * t.stages * kv + output + tables + barriers + slots) // 1024) * 1024
+
+    @property
+    def fold_tiles(self) -> bool:
+        """Whether the persistent forward folds each tile boundary into one step (the fold_tiles option): two Q
+        buffers, O staged in the finished tile's."""
+        return self.options.fold_tiles
+
+    def _fold_problems(self) -> list[str]:
+        c = self.config
+        if not self.fold_tiles:
+            return []
+        if self.fp8 or c.head_dim not in (64, 128) or not self.options.persistent:
+            return [f"option fold_tiles needs the persistent 16-bit forward at head_dim 64 or 128 (two Q buffers, O "
+                    f"staged in one: d256's do not fit, FP8's 1-byte Q cannot hold a bf16 O), not "
+                    f"{c.dtype} head_dim {c.head_dim}{'' if self.options.persistent else ' without persistent'}"]
+        return []
 
     @property
     def output_staged_boxes(self) -> int:
@@ -345,6 +363,7 @@ class Resources:
         if registers > MAX_TILE_REGISTERS:
             out.append(f"block_n {t.block_n} with head_dim {c.head_dim} needs {registers} registers per consumer thread "
                        f"for scores, output and P (at most {MAX_TILE_REGISTERS} fit): lower block_n")
+        out += self._fold_problems()
         limit = ARCH_TABLE[c.arch].shared_memory
         if not out and self.shared_memory_bytes > limit:
             out.append(f"the tile needs {self.shared_memory_bytes} bytes of shared memory, {c.arch} allows {limit}: "
