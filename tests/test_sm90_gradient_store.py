@@ -170,7 +170,7 @@ def forward_formulas(source: str) -> dict[str, object]:
         operands.append((int(a), int(b)))
     return {"row": re.search(r"const int row = (.+?);", body).group(1),
             "chunk": re.search(r"const int chunk = (.+?);", body).group(1),
-            "box": re.search(r"boxes \+ \((.+?)\) \* kOutputBoxBytes", body).group(1),
+            "box": re.search(r"boxes \+ \((.+?)\) \* kBoxStride", body).group(1),
             "column": "(" + re.search(r"const int column = \((.+?)\) \* sm90::kBoxColumns;", body).group(1) + ") * 64",
             "operands": operands,
             "first": re.search(r"x = o \+ (.+?);", body).group(1)}
@@ -182,6 +182,23 @@ def test_the_forward_boxes_hold_each_output_element_in_place(head_dim, staged):
     source = rendered_forward(head_dim, output_by_tma=2)
     assert f"constexpr int kStagedBoxes = {staged};" in source
     check(head_dim, forward_formulas(source), {}, buffer_per_warpgroup=True, staged_boxes=staged)
+
+
+def test_folded_tiles_stage_each_warpgroups_o_in_its_own_rows_of_q():
+    """fold_tiles with O by TMA: warpgroup w's box b goes to Q's box b at w's 64 rows (w x 8 KB into a 16 KB box at
+    d128), 1024-byte aligned as the swizzle needs, so the two warpgroups' boxes never overlap and neither touches the
+    other's Q rows; the buffer has no bytes of its own."""
+    source = rendered_forward(128, fold_tiles=True)
+    assert "constexpr bool kOutputInQ = kFoldTiles && kOutputByTma;" in source and "kFoldTiles = true;" in source
+    assert "boxes = shared.q[q_buffer] + warpgroup * kOutputBoxBytes;" in source
+    q_box, o_box = 128 * 128, 64 * 128  # kQBoxBytes, kOutputBoxBytes
+    starts = {(w, b): b * q_box + w * o_box for w in (0, 1) for b in range(128 // 64)}
+    assert all(start % 1024 == 0 for start in starts.values())
+    spans = sorted((start, start + o_box) for start in starts.values())
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    assert all(starts[(w, b)] // q_box == b and starts[(w, b)] % q_box // o_box == w for w, b in starts)
+    # the emulation of the stmatrix addresses holds for the folded variant's formulas too
+    check(128, forward_formulas(source), {}, buffer_per_warpgroup=True, staged_boxes=2)
 
 
 @pytest.mark.parametrize("mutation", [
@@ -214,8 +231,9 @@ def test_which_forward_variants_store_o_by_tma():
     assert "using TensorMaps = TensorMapsOf<kOutputByTma>;" in source and "CUtensorMap q, k, v, o;" in source
     assert "tensor_map<Output>(&maps.o, o, message, message_size)" in source
     assert "if (!output_map(maps, args, message, message_size)) return int(cudaErrorInvalidValue);" in source
-    assert "uint8_t o[kOutputByTma ? 2 : 0][kStagedBoxes * kOutputBoxBytes];" in source
-    assert source.count("end_output();") == 2  # the persistent loop's end and the grid's one tile
+    assert "uint8_t o[kOutputByTma && !kOutputInQ ? 2 : 0][kStagedBoxes * kOutputBoxBytes];" in source
+    assert "constexpr int kBoxStride = kOutputInQ ? kQBoxBytes : kOutputBoxBytes;" in source
+    assert source.count("end_output();") == 3  # the persistent loop's end, the folded loop's and the grid's one tile
     def stores(head_dim: int, **options) -> int:
         return variant(head_dim, output_by_tma=0, **options).shared_storage_bytes
     for head_dim, options, staged in ((128, {}, 2), (128, {"dtype": "e4m3"}, 2), (64, {"output_by_tma": 2}, 1),
