@@ -29,8 +29,9 @@ RULES = ("causal", "transfusion")
 VARIANTS = ("bf16", "d256", "gqa", "fp16")  # file prefixes; "d256" is bf16 MHA at head dim 256
 
 
-def ratios(path: Path) -> dict[tuple[int, int], tuple[float, float | None]]:
-    """(D, S) -> (forward ratio, forward+backward ratio or None) of cudnn_causal's time over omnigen's."""
+def ratios(path: Path) -> dict[tuple[int, int], tuple[float, float | None, float | None]]:
+    """(D, S) -> (forward ratio, forward+backward ratio or None) of cudnn_causal's time over omnigen's, and our allowed
+    pairs over cuDNN causal's (the rows' `pairs`; None where a row lacks them)."""
     rows = json.loads(path.read_text()).get("rows", [])
     times: dict[tuple[str, int, int], dict] = {(r["impl"], r["D"], r["S"]): r for r in rows}
     out = {}
@@ -41,16 +42,9 @@ def ratios(path: Path) -> dict[tuple[int, int], tuple[float, float | None]]:
         fwd_bwd = None
         if ours.get("fwd_bwd_ms") and theirs.get("fwd_bwd_ms"):
             fwd_bwd = theirs["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
-        out[(d, s)] = (theirs["fwd_ms"] / ours["fwd_ms"], fwd_bwd)
+        factor = ours["pairs"] / theirs["pairs"] if ours.get("pairs") and theirs.get("pairs") else None
+        out[(d, s)] = (theirs["fwd_ms"] / ours["fwd_ms"], fwd_bwd, factor)
     return out
-
-
-def pair_factors(path: Path) -> dict[tuple[int, int], float]:
-    """(D, S) -> our allowed pairs over cuDNN causal's (the rows' `pairs`), where both rows have them."""
-    rows = json.loads(path.read_text()).get("rows", [])
-    pairs = {(r["impl"], r["D"], r["S"]): r.get("pairs") for r in rows}
-    return {(d, s): ours / pairs[("cudnn_causal", d, s)] for (impl, d, s), ours in pairs.items()
-            if impl == "omnigen" and ours and pairs.get(("cudnn_causal", d, s))}
 
 
 def collect(folder: Path) -> dict[tuple[str, str], dict]:
@@ -83,19 +77,12 @@ def table(folder: Path) -> tuple[list[str], bool]:
                  "per allowed pair: fwd / fwd+bwd |")
     lines.append("| --- | --- | --- | --- | --- | --- |")
     mha = {rules: data.get(("bf16", rules), {}) for rules in RULES}
-    factors: dict[str, dict[tuple[int, int], float]] = {rules: {} for rules in RULES}
-    for variant in ("bf16", "d256"):
-        for rules in RULES:
-            path = folder / f"{variant}_{rules}.json"
-            if path.exists():
-                factors[rules].update(pair_factors(path))
 
     def per_pair(value: float | None, factor: float | None) -> str:
         return "-" if value is None or factor is None else f"{value * factor:.3f}x"
 
     for rules in RULES:
-        for (d, s), (fwd, fwd_bwd) in sorted(mha[rules].items()):
-            factor = factors[rules].get((d, s))
+        for (d, s), (fwd, fwd_bwd, factor) in sorted(mha[rules].items()):
             lines.append(f"| {rules} | {d} | {s} | {mark(fwd, FWD_FLOOR)} | "
                          f"{mark(fwd_bwd, FWD_BWD_FLOOR.get(d, 1.05))} (floor {FWD_BWD_FLOOR.get(d, 1.05):.2f}) | "
                          f"{per_pair(fwd, factor)} / {per_pair(fwd_bwd, factor)} |")
@@ -107,7 +94,7 @@ def table(folder: Path) -> tuple[list[str], bool]:
         lines.append("| --- | --- | --- | --- | --- |")
         rows = 0
         for rules in RULES:
-            for (d, s), (fwd, fwd_bwd) in sorted(data.get((variant, rules), {}).items()):
+            for (d, s), (fwd, fwd_bwd, _) in sorted(data.get((variant, rules), {}).items()):
                 base = mha[rules].get((d, s))
                 if base is None:
                     lines.append(f"| {rules} | {d} | {s} | no MHA row | no MHA row |")
